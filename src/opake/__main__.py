@@ -1,0 +1,5 @@
+import sys
+
+from opake.cli import main
+
+sys.exit(main())

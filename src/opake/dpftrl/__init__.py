@@ -1,0 +1,1 @@
+"""DP-FTRL with matrix-factorization (correlated) noise."""

@@ -1,0 +1,332 @@
+"""Buffered Linear Toeplitz (BLT) strategies: parameters and their closed forms (float64).
+
+Convention (BLT24, UseBLT24, Inv25; MATH.md section 1): a BLT with decays theta (B,) and
+output scales omega (B,) is the lower-triangular Toeplitz C with
+
+    c_0 = 1,    c_k = sum_i omega_i theta_i^(k-1)   (k >= 1).
+
+The seed page's ``w`` is ``omega / theta`` (its n -> infinity formula is in this convention).
+Its inverse C^{-1} is again a BLT (theta_hat, omega_hat) (Inv25). All closed forms here cost
+O(B^2) (min-sep: O(B^2 log(n / b))), independent of n, and stay accurate for decays within
+1e-11 of 1 because they are written in terms of 1 - theta (see ``geometric``).
+
+The functions taking torch tensors (suffix ``_torch``) are the single implementation, shared
+with the optimizer for automatic differentiation; the numpy-facing functions wrap them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from scipy.optimize import brentq
+
+from opake.dpftrl.noise.geometric import (
+    complement_of_product,
+    cumulative_geometric_sum,
+    geometric_sum,
+    product_geometric_sum,
+)
+from opake.dpftrl.participation import Participation
+
+
+@dataclass(frozen=True, eq=False)
+class BLTParams:
+    """Decays ``theta`` and output scales ``omega`` of a BLT (read-only float64 arrays)."""
+
+    theta: np.ndarray
+    omega: np.ndarray
+
+    def __post_init__(self):
+        theta = np.array(self.theta, dtype=np.float64, copy=True).reshape(-1)
+        omega = np.array(self.omega, dtype=np.float64, copy=True).reshape(-1)
+        if theta.shape != omega.shape:
+            raise ValueError(f"theta and omega must have the same length, got {theta.shape} and {omega.shape}")
+        if not (np.all(np.isfinite(theta)) and np.all(np.isfinite(omega))):
+            raise ValueError("theta and omega must be finite")
+        theta.setflags(write=False)
+        omega.setflags(write=False)
+        object.__setattr__(self, "theta", theta)
+        object.__setattr__(self, "omega", omega)
+
+    @property
+    def num_buffers(self) -> int:
+        return int(self.theta.shape[0])
+
+    @property
+    def one_minus_theta(self) -> np.ndarray:
+        return 1.0 - self.theta
+
+    def __eq__(self, other):
+        return (isinstance(other, BLTParams) and np.array_equal(self.theta, other.theta)
+                and np.array_equal(self.omega, other.omega))
+
+    def __hash__(self):
+        return hash((self.theta.tobytes(), self.omega.tobytes()))
+
+    def __repr__(self):
+        return f"BLTParams(theta={self.theta.tolist()}, omega={self.omega.tolist()})"
+
+
+def _t(x) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(x, dtype=np.float64).copy())
+
+
+# ---------------------------------------------------------------------------------------------
+# Coefficients and preconditions
+
+
+def coefficients(params: BLTParams, n: int) -> np.ndarray:
+    """c_0..c_{n-1} of C."""
+    n = int(n)
+    c = np.zeros(n)
+    if n == 0:
+        return c
+    c[0] = 1.0
+    powers = np.arange(n - 1, dtype=np.float64)
+    for theta, omega in zip(params.theta, params.omega):
+        c[1:] += omega * np.power(theta, powers)
+    return c
+
+
+def check_minsep_preconditions(params: BLTParams) -> None:
+    """Raise unless theta in [0, 1], omega >= 0 and sum(omega) <= 1.
+
+    These make c non-negative and non-increasing (c_1 = sum(omega) <= c_0 = 1), the hypothesis
+    of the Toeplitz min-sep theorem (BSR24 Thm 2) and of every sensitivity formula here.
+    """
+    theta, omega = params.theta, params.omega
+    if np.any((theta < 0) | (theta > 1)):
+        raise ValueError(f"BLT decays theta must lie in [0, 1] for the min-sep sensitivity to hold; got {theta.tolist()}")
+    if np.any(omega < 0):
+        raise ValueError(f"BLT output scales omega must be >= 0 for the min-sep sensitivity to hold; got {omega.tolist()}")
+    if omega.sum() > 1.0:
+        raise ValueError(f"BLT output scales must satisfy sum(omega) <= 1 (non-increasing coefficients); got sum {omega.sum()!r}")
+
+
+def round_for_float32(params: BLTParams) -> BLTParams:
+    """Parameters whose omega and 1 - theta are exactly representable in float32.
+
+    The noise engine updates buffers as S <- S - (1 - theta) S + x, so a decay within 1e-9 of
+    1 survives float32 (theta itself would round to 1.0). omega is rounded toward zero, which
+    keeps omega >= 0 and sum(omega) from growing; 1 - theta is rounded to nearest and then to
+    the float64 grid near 1 (dropping low bits keeps it a float32). Decays that coincide after
+    rounding are merged (their omegas add), which leaves C unchanged.
+    """
+    leak = np.float32(params.one_minus_theta).astype(np.float64)
+    theta = 1.0 - leak  # 1 - theta is now leak on the float64 grid near 1: fewer bits, still a float32
+    theta, where = np.unique(theta, return_inverse=True)
+    omega = np.zeros(theta.shape[0])
+    np.add.at(omega, where.reshape(-1), params.omega)
+    omega32 = np.float32(omega)
+    too_far = np.abs(omega32.astype(np.float64)) > np.abs(omega)
+    omega32 = np.where(too_far, np.nextafter(omega32, np.float32(0)), omega32).astype(np.float64)
+    return BLTParams(theta, omega32)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sensitivity
+
+
+def minsep_sensitivity_squared_torch(theta, leak, omega, participation: Participation) -> torch.Tensor:
+    """sens^2 for participations at least b apart, at most k' of them (BSR24 Thm 2 for a BLT).
+
+    The worst pattern is {0, b, ..., (P-1) b}, P = k'. Streaming C over that input, the buffer
+    state at the start of the q-th period of b steps is S_q = g * G(a, q) with a = theta^b and
+    g = theta^(b-1). A period starting with a participation contributes
+
+        (1 + omega.S_q)^2 + sum_ij omega_i omega_j G(theta_i theta_j, b-1) G(a_i, q+1) G(a_j, q+1)
+
+    (theta_i S_qi + 1 = G(a_i, q+1)); the last participation's run of L = n - (P-1) b steps
+    contributes the same with b replaced by L. Summing over the P - 1 full periods needs
+    S(a_i, P-1) and T(a_i, a_j, P-1) (``geometric``), so the cost is O(B^2 log P).
+    Single participation (P = 1) reduces to BLT24 Lemma 5.3:
+    1 + sum_ij omega_i omega_j G(theta_i theta_j, n - 1).
+    """
+    n = participation.n_steps
+    b = participation.min_sep
+    periods = participation.effective_participations - 1
+    last_len = n - periods * b
+    q_pair = complement_of_product(leak[:, None], leak[None, :])
+    w2 = omega[:, None] * omega[None, :]
+    if periods == 0:
+        return 1.0 + (w2 * geometric_sum(q_pair, last_len - 1)).sum()
+    # a = theta^b kept as 1 - a, precise when theta is near 1
+    leak_b = -torch.expm1(b * torch.log1p(-leak))
+    g = torch.pow(theta, b - 1)
+    g_n = geometric_sum(leak_b, periods)                        # G(a_i, P-1)
+    s_n = g * cumulative_geometric_sum(leak_b, periods)         # sum_q S_qi
+    t_n = product_geometric_sum(leak_b[:, None], leak_b[None, :], periods)  # T(a_i, a_j, P-1)
+    state_sum2 = (g[:, None] * g[None, :]) * t_n                # sum_q S_qi S_qj
+    periods_part = (
+        periods + 2.0 * (omega * s_n).sum() + (w2 * state_sum2).sum()
+        + (w2 * geometric_sum(q_pair, b - 1) * (t_n + g_n[:, None] * g_n[None, :])).sum()
+    )
+    state_last = g * g_n                                        # S_{P-1}
+    a_last = geometric_sum(leak_b, periods + 1)                 # theta_i S_{P-1,i} + 1
+    last_part = (1.0 + (omega * state_last).sum()) ** 2 + (
+        w2 * geometric_sum(q_pair, last_len - 1) * (a_last[:, None] * a_last[None, :])
+    ).sum()
+    return periods_part + last_part
+
+
+def sensitivity_squared(params: BLTParams, n_steps: int | None = None) -> float:
+    """Single-participation sens^2 = max column norm^2 of C (BLT24 Lemma 5.3).
+
+    1 + sum_ij omega_i omega_j G(theta_i theta_j, n - 1); for n -> infinity (``n_steps=None``)
+    1 + sum_ij omega_i omega_j / (1 - theta_i theta_j) (infinite if some theta_i = 1).
+    """
+    leak = _t(params.one_minus_theta)
+    omega = _t(params.omega)
+    if n_steps is None:
+        q_pair = complement_of_product(leak[:, None], leak[None, :])
+        w2 = omega[:, None] * omega[None, :]
+        if torch.any((q_pair <= 0) & (w2 != 0)):
+            return float("inf")
+        return float(1.0 + (w2 / torch.where(q_pair > 0, q_pair, torch.ones_like(q_pair))).sum())
+    return minsep_sensitivity_squared(params, Participation(int(n_steps), 1, 1))
+
+
+def minsep_sensitivity_squared(params: BLTParams, participation: Participation) -> float:
+    """sens^2 for ``participation`` (min_sep b, at most k participations); see the torch form."""
+    check_minsep_preconditions(params)
+    value = minsep_sensitivity_squared_torch(
+        _t(params.theta), _t(params.one_minus_theta), _t(params.omega), participation
+    )
+    return float(value)
+
+
+# ---------------------------------------------------------------------------------------------
+# Inverse
+
+
+def _inverse_roots(leak: np.ndarray, omega: np.ndarray):
+    """1 - theta_hat and omega_hat of C^{-1} (Inv25), precise in 1 - theta_hat.
+
+    The decays theta_hat are the roots of 1 + sum_i omega_i / (lambda - theta_i) = 0. With
+    omega > 0 and distinct decays they interlace with theta, so in delta = 1 - lambda each lies
+    in its own bracket between consecutive 1 - theta_i and is found by Brent's method on
+    f(delta) = 1 + sum_i omega_i / ((1 - theta_i) - delta). Then
+    omega_hat_j = prod_i (theta_hat_j - theta_i) / prod_{l != j} (theta_hat_j - theta_hat_l).
+    Other parameters fall back to eigenvalues of diag(theta) - omega 1^T.
+    """
+    order = np.argsort(-leak, kind="stable")
+    q = leak[order]
+    w = omega[order]
+    B = q.shape[0]
+    if B == 0:
+        return np.zeros(0), np.zeros(0)
+    if np.all(w > 0) and np.all(np.diff(q) < 0):
+        def f(d):
+            with np.errstate(over="ignore", divide="ignore"):  # at a bracket end next to a pole
+                return 1.0 + np.sum(w / (q - d))
+        delta = np.empty(B)
+        for j in range(B):
+            lo = np.nextafter(q[j], np.inf)
+            hi = q[0] + 2.0 * w.sum() if j == 0 else np.nextafter(q[j - 1], -np.inf)  # f(hi) >= 1/2 for j = 0
+            f_hi = f(hi)
+            delta[j] = hi if f_hi == 0 else brentq(f, lo, hi, xtol=1e-300, rtol=4 * np.finfo(float).eps, maxiter=500)
+    else:
+        theta = 1.0 - q
+        eig = np.linalg.eigvals(np.diag(theta) - np.outer(w, np.ones(B)))
+        if np.any(np.abs(eig.imag) > 1e-12 * np.maximum(1.0, np.abs(eig.real))):
+            raise ValueError("this BLT's inverse is not a real BLT (complex inverse decays); "
+                             "use decays in (0, 1] with positive omega")
+        delta = np.sort(1.0 - eig.real)[::-1]
+    diff_theta = q[None, :] - delta[:, None]            # theta_hat_j - theta_i
+    diff_hat = delta[None, :] - delta[:, None]           # theta_hat_j - theta_hat_l
+    np.fill_diagonal(diff_hat, 1.0)
+    if np.any(diff_hat == 0):
+        raise ValueError("the inverse has repeated decays; merge equal decays of the BLT first")
+    omega_hat = np.prod(diff_theta, axis=1) / np.prod(diff_hat, axis=1)
+    return delta, omega_hat
+
+
+def inverse(params: BLTParams) -> BLTParams:
+    """The BLT (theta_hat, omega_hat) of C^{-1}: c_hat_0 = 1, c_hat_k = sum omega_hat theta_hat^(k-1)."""
+    delta, omega_hat = _inverse_roots(params.one_minus_theta, params.omega)
+    return BLTParams(1.0 - delta, omega_hat)
+
+
+def inverse_coefficients(params: BLTParams, n: int) -> np.ndarray:
+    """First column of C^{-1} by streaming C^{-1} over e_0 (the O(nB) route, UseBLT24 Alg. 2).
+
+    x_t = y_t - sum_i omega_i S_i, then S_i <- theta_i S_i + x_t (buffers hold past outputs).
+    """
+    theta, omega = params.theta, params.omega
+    state = np.zeros(params.num_buffers)
+    out = np.empty(int(n))
+    for t in range(int(n)):
+        x = (1.0 if t == 0 else 0.0) - float(np.dot(omega, state))
+        out[t] = x
+        state = theta * state + x
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors of the workload W = D_eta M_beta (prefix sums for beta = 1 and no schedule)
+
+
+def workload_terms_torch(leak, leak_hat, omega_hat, momentum: float):
+    """Decays (as 1 - rho) and weights R with (M_beta C^{-1})_k = sum_a R_a rho_a^k.
+
+    rho = (beta, theta_hat_1..B); by partial fractions of prod_i(x - theta_i)/prod_j(x - theta_hat_j)/(x - beta):
+        R_beta = prod_i (beta - theta_i) / prod_j (beta - theta_hat_j),
+        R_j    = omega_hat_j / (theta_hat_j - beta).
+    For beta = 1 every R is positive (R_beta = prod(1-theta)/prod(1-theta_hat)), so the
+    prefix-sum errors are sums of positive terms and nothing cancels.
+    """
+    q_beta = torch.as_tensor(1.0 - momentum, dtype=leak.dtype)
+    r_beta = torch.prod(leak - q_beta) / torch.prod(leak_hat - q_beta)
+    r_hat = omega_hat / (q_beta - leak_hat)
+    leaks = torch.cat([q_beta.reshape(1), leak_hat])
+    weights = torch.cat([r_beta.reshape(1), r_hat])
+    return leaks, weights
+
+
+def error_torch(leaks, weights, n: int, kind: str, lr_schedule=None) -> torch.Tensor:
+    """Max or mean over t of e_t = eta_t^2 sum_{k<=t} d_k^2 with d_k = sum_a R_a rho_a^k.
+
+    Without a schedule e_t increases, so max = E_{n-1} = sum_ab R_a R_b G(rho_a rho_b, n) and
+    mean = (1/n) sum_ab R_a R_b S(rho_a rho_b, n + 1), both O(B^2). With a schedule every row
+    is needed: O(nB).
+    """
+    if lr_schedule is None:
+        q_pair = complement_of_product(leaks[:, None], leaks[None, :])
+        w2 = weights[:, None] * weights[None, :]
+        if kind == "max":
+            return (w2 * geometric_sum(q_pair, n)).sum()
+        return (w2 * cumulative_geometric_sum(q_pair, n + 1)).sum() / n
+    rows = per_query_errors_torch(leaks, weights, n, lr_schedule)
+    return rows.max() if kind == "max" else rows.mean()
+
+
+def per_query_errors_torch(leaks, weights, n: int, lr_schedule=None) -> torch.Tensor:
+    steps = torch.arange(n, dtype=leaks.dtype)
+    d = (weights[None, :] * torch.pow(1.0 - leaks[None, :], steps[:, None])).sum(dim=1)
+    rows = torch.cumsum(d * d, dim=0)
+    if lr_schedule is not None:
+        eta = torch.as_tensor(np.asarray(lr_schedule, dtype=np.float64))
+        rows = eta * eta * rows
+    return rows
+
+
+def _workload(params: BLTParams, momentum: float):
+    delta, omega_hat = _inverse_roots(params.one_minus_theta, params.omega)
+    return workload_terms_torch(_t(params.one_minus_theta), _t(delta), _t(omega_hat), float(momentum))
+
+
+def max_error(params: BLTParams, n: int, momentum: float = 1.0) -> float:
+    """max_t of the squared prefix-sum error of C^{-1} (BLT24 Lemma 5.4), weighted by M_beta."""
+    return float(error_torch(*_workload(params, momentum), int(n), "max"))
+
+
+def mean_error(params: BLTParams, n: int, momentum: float = 1.0) -> float:
+    """mean_t of the squared prefix-sum error of C^{-1}, weighted by M_beta."""
+    return float(error_torch(*_workload(params, momentum), int(n), "mean"))
+
+
+def per_query_errors(params: BLTParams, n: int, momentum: float = 1.0, lr_schedule=None) -> np.ndarray:
+    """e_t = ||row t of D_eta M_beta C^{-1}||^2 for t < n, O(nB)."""
+    return per_query_errors_torch(*_workload(params, momentum), int(n), lr_schedule).numpy()

@@ -1,0 +1,201 @@
+"""Optimizing a BLT for a participation context: minimize sens^2 x error (BLT24 section 5).
+
+Parametrization (barrier-free, MATH.md section 5). For B buffers take 2B strictly increasing
+values x_1 < ... < x_2B in (0, 1) and read them alternately as
+
+    theta_hat_1 < theta_1 < theta_hat_2 < theta_2 < ... < theta_hat_B < theta_B,
+
+the decays of C^{-1} and of C. Then (Inv25)
+
+    omega_i     =  prod_j (theta_i - theta_hat_j) / prod_{l != i} (theta_i - theta_l)      > 0
+    omega_hat_j =  prod_i (theta_hat_j - theta_i) / prod_{l != j} (theta_hat_j - theta_hat_l) < 0
+
+and sum(omega) = sum(theta) - sum(theta_hat) < 1, theta_hat > 0: every iterate satisfies the
+min-sep preconditions (theta in (0, 1), omega > 0, sum(omega) < 1) by construction. The x
+are stored as y = -log(1 - x) = cumsum(exp(v)) with v unconstrained, so that 1 - x = e^-y
+keeps full precision for decays within 1e-11 of 1, and every difference x_a - x_b is formed
+from the gaps exp(v) (never by subtracting two numbers near 1).
+
+The loss sens^2 x error is evaluated in closed form (``blt``), O(B^2 log(n/b)) for any n, and
+minimized in float64 by L-BFGS with gradients from torch autograd.
+
+Buffer-count policy: B grows from 1; each B starts from decays spread evenly in log(1 - x)
+between 1 and about 1/n (the shape of the optimal Toeplitz strategy, c_k ~ k^-1/2, written
+as a sum of exponentials). Growth stops when one more buffer lowers the loss by less than
+``BUFFER_GAIN`` (relative) or at ``max_buffers``; the best B seen is returned. Each buffer costs
+d floats of training memory, so a buffer that buys less than 0.01% of loss is not worth it.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from scipy.optimize import minimize
+
+from opake.dpftrl.noise import blt
+from opake.dpftrl.participation import Participation
+
+BUFFER_GAIN = 1e-4
+_MAX_ITERATIONS = 300
+_STALL_WINDOW = 10
+_STALL = 1e-7
+
+
+@dataclass(frozen=True)
+class OptimizeResult:
+    params: blt.BLTParams
+    sensitivity: float
+    max_loss: float
+    mean_loss: float
+    loss_by_buffers: tuple
+
+
+@dataclass(frozen=True)
+class _Decays:
+    """Both decay sets with their complements and output scales, as torch float64."""
+
+    theta: torch.Tensor
+    leak: torch.Tensor
+    omega: torch.Tensor
+    leak_hat: torch.Tensor
+    omega_hat: torch.Tensor
+
+
+def max_log_complement(n_steps: int) -> float:
+    """Largest y = -log(1 - theta) the optimizer may use.
+
+    A buffer with n (1 - theta) < e^-16 is constant over the horizon to 1e-7, so nothing is
+    lost by stopping there, and 1 - theta >= 1e-14 keeps theta < 1 in float64 (the open
+    interval (0, 1) of the preconditions) with 1 - theta still resolved to ~1%.
+    """
+    return min(math.log(n_steps) + 16.0, 32.0)
+
+
+def decays_from_free(v: torch.Tensor, y_max: float) -> _Decays:
+    """Map unconstrained v (2B + 1,) to an interlaced valid BLT and its inverse.
+
+    shares = softmax(v); y_c = y_max * (shares_0 + ... + shares_c) for c < 2B, so
+    0 < y_1 < ... < y_2B < y_max and x = 1 - e^-y is strictly inside (0, 1).
+    """
+    shares = torch.softmax(v, dim=0)
+    size = v.shape[0] - 1
+    y = y_max * torch.cumsum(shares, dim=0)[:size]
+    between, upper = _masks(size)
+    # span[a, b] = y_a - y_b for a > b, summed from the shares so that no digits cancel
+    span = y_max * (between * shares[:size]).sum(dim=-1)
+    safe_span = torch.where(upper, span, torch.ones_like(span))
+    # log|x_a - x_b| = -y_b + log(1 - e^-(y_a - y_b)) for a > b; symmetric
+    log_gap = torch.where(upper, -y[None, :] + torch.log(-torch.expm1(-safe_span)), torch.zeros_like(span))
+    log_gap = log_gap + log_gap.T
+    hat_rows, own_rows = log_gap[0::2], log_gap[1::2]
+    off = 1.0 - torch.eye(size // 2, dtype=v.dtype)
+    log_omega = own_rows[:, 0::2].sum(1) - (off * own_rows[:, 1::2]).sum(1)
+    log_omega_hat = hat_rows[:, 1::2].sum(1) - (off * hat_rows[:, 0::2]).sum(1)
+    return _Decays(
+        theta=-torch.expm1(-y[1::2]),
+        leak=torch.exp(-y[1::2]),
+        omega=torch.exp(log_omega),
+        leak_hat=torch.exp(-y[0::2]),
+        omega_hat=-torch.exp(log_omega_hat),
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _masks(size: int):
+    idx = torch.arange(size)
+    between = (idx[None, None, :] > idx[None, :, None]) & (idx[None, None, :] <= idx[:, None, None])
+    upper = idx[:, None] > idx[None, :]
+    return between.to(torch.float64), upper
+
+
+def _loss_torch(v, ctx: Participation, error: str, momentum: float, schedule) -> torch.Tensor:
+    d = decays_from_free(v, max_log_complement(ctx.n_steps))
+    sens2 = blt.minsep_sensitivity_squared_torch(d.theta, d.leak, d.omega, ctx)
+    leaks, weights = blt.workload_terms_torch(d.leak, d.leak_hat, d.omega_hat, momentum)
+    err = blt.error_torch(leaks, weights, ctx.n_steps, error, schedule)
+    return torch.log(sens2) + torch.log(err)
+
+
+def _initial_free(num_buffers: int, n_steps: int) -> np.ndarray:
+    # 2B points evenly spaced in y = -log(1 - x) over (0, log(n) + 1]: decays from ~0 to ~1 - 1/(e n)
+    y_max = max_log_complement(n_steps)
+    top = min(math.log(n_steps) + 1.0, 0.9 * y_max)
+    y = top * np.arange(1, 2 * num_buffers + 1) / (2 * num_buffers)
+    return np.log(np.diff(np.concatenate([[0.0], y, [y_max]])) / y_max)
+
+
+def _minimize(v0: np.ndarray, ctx, error, momentum, schedule):
+    best = {"f": math.inf, "x": v0, "history": []}
+
+    def objective(v):
+        vt = torch.tensor(v, dtype=torch.float64, requires_grad=True)
+        loss = _loss_torch(vt, ctx, error, momentum, schedule)
+        (grad,) = torch.autograd.grad(loss, vt)
+        value = float(loss.detach())
+        if not math.isfinite(value):
+            return 1e300, np.zeros_like(v)
+        if value < best["f"]:
+            best["f"], best["x"] = value, np.array(v)
+        return value, grad.numpy().astype(np.float64)
+
+    def stop_when_stalled(intermediate):
+        # A decay drifting toward its cap can creep for hundreds of iterations while the
+        # loss changes in the 8th digit; stop once 10 iterations gained < _STALL in log-loss
+        # (1000x finer than BUFFER_GAIN, so the buffer-count decision is unaffected).
+        history = best["history"]
+        history.append(best["f"])
+        if len(history) > _STALL_WINDOW and history[-_STALL_WINDOW - 1] - history[-1] < _STALL:
+            raise StopIteration
+
+    minimize(
+        objective, v0, jac=True, method="L-BFGS-B", callback=stop_when_stalled,
+        options={"maxiter": _MAX_ITERATIONS, "ftol": 1e-13, "gtol": 1e-10, "maxcor": 30},
+    )
+    return best["x"], best["f"]
+
+
+def optimize(
+    ctx: Participation,
+    *,
+    error: str = "max",
+    max_buffers: int = 10,
+    momentum: float = 1.0,
+    lr_schedule: np.ndarray | None = None,
+) -> OptimizeResult:
+    """The BLT minimizing sens^2 x error for ``ctx``, rounded for float32 and re-checked."""
+    if ctx.n_steps == 1:
+        # One step: C = [1] whatever the buffers; the identity-like 1-buffer BLT with omega = 0.
+        params = blt.BLTParams(np.array([0.5]), np.array([0.0]))
+        return _finish(params, ctx, momentum, lr_schedule, ())
+    best_v, best_loss, losses = None, math.inf, []
+    for num_buffers in range(1, max_buffers + 1):
+        v, loss = _minimize(_initial_free(num_buffers, ctx.n_steps), ctx, error, momentum, lr_schedule)
+        losses.append(math.exp(loss))
+        improved = loss < best_loss + math.log1p(-BUFFER_GAIN)
+        if loss < best_loss:
+            best_v, best_loss = v, loss
+        if num_buffers > 1 and not improved:
+            break
+    d = decays_from_free(torch.tensor(best_v, dtype=torch.float64), max_log_complement(ctx.n_steps))
+    params = blt.BLTParams(d.theta.numpy(), d.omega.numpy())
+    return _finish(params, ctx, momentum, lr_schedule, tuple(losses))
+
+
+def _finish(params, ctx, momentum, lr_schedule, losses) -> OptimizeResult:
+    rounded = blt.round_for_float32(params)
+    blt.check_minsep_preconditions(rounded)
+    sens2 = blt.minsep_sensitivity_squared(rounded, ctx)
+    if lr_schedule is None:
+        max_err = blt.max_error(rounded, ctx.n_steps, momentum)
+        mean_err = blt.mean_error(rounded, ctx.n_steps, momentum)
+    else:
+        rows = blt.per_query_errors(rounded, ctx.n_steps, momentum, lr_schedule)
+        max_err, mean_err = float(rows.max()), float(rows.mean())
+    return OptimizeResult(
+        params=rounded, sensitivity=math.sqrt(sens2), max_loss=sens2 * max_err,
+        mean_loss=sens2 * mean_err, loss_by_buffers=losses,
+    )

@@ -1,0 +1,273 @@
+"""Strategy recipes and the mechanism they resolve to for one participation context.
+
+A *recipe* (``blt_strategy(...)``, ``identity_strategy()``) is a small frozen value that says
+how to build a strategy matrix C. ``recipe.resolve(n_steps, min_sep, max_participations)``
+turns it into a :class:`Mechanism`: the concrete parameters, their sensitivity for that
+participation, and their utility. Resolution is a pure, cached function of (recipe, context),
+so the accountant and the noise engine see bit-identical parameters.
+
+Notation (paper symbol -> name here): C = strategy matrix, C^{-1} = noising matrix,
+b = ``min_sep``, k = ``max_participations``, theta = buffer decays, omega = output scales.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import math
+import numbers
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+
+from opake.dpftrl.noise import blt
+from opake.dpftrl.participation import Participation
+
+_ERRORS = ("max", "mean")
+
+
+def _readonly(array: np.ndarray) -> np.ndarray:
+    array = np.array(array, dtype=np.float64, copy=True)
+    array.setflags(write=False)
+    return array
+
+
+def _digest(*parts) -> str:
+    h = hashlib.sha256()
+    for part in parts:
+        if isinstance(part, np.ndarray):
+            h.update(np.ascontiguousarray(part, dtype=np.float64).tobytes())
+        else:
+            h.update(repr(part).encode())
+        h.update(b"|")
+    return h.hexdigest()[:32]
+
+
+@dataclass(frozen=True, eq=False)
+class Mechanism:
+    """A resolved strategy: C for one participation context, with its sensitivity and utility.
+
+    For a BLT, ``theta`` and ``omega`` are float64 arrays whose values are exactly
+    representable in float32 in the form the noise engine uses (``omega`` and
+    ``one_minus_theta = 1 - theta``), so the float32 and float64 engines run exactly the
+    mechanism that was accounted for. The identity strategy has zero buffers.
+
+    ``sensitivity`` is S (not squared) for ``participation``: the L2 sensitivity of C G for
+    gradients clipped to norm 1, add/remove adjacency. ``max_loss`` and ``mean_loss`` are
+    S^2 times the max / mean per-step error of the (weighted) prefix-sum workload.
+    """
+
+    recipe: object
+    participation: Participation
+    theta: np.ndarray
+    omega: np.ndarray
+    sensitivity: float
+    max_loss: float
+    mean_loss: float
+    schedule_fingerprint: str | None = None
+    fingerprint: str = field(default="", compare=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "theta", _readonly(self.theta))
+        object.__setattr__(self, "omega", _readonly(self.omega))
+        if not self.fingerprint:
+            fp = _digest(
+                type(self.recipe).__name__, self.recipe, self.participation,
+                self.theta, self.omega, self.schedule_fingerprint,
+            )
+            object.__setattr__(self, "fingerprint", fp)
+
+    @property
+    def num_buffers(self) -> int:
+        return int(self.theta.shape[0])
+
+    @property
+    def one_minus_theta(self) -> np.ndarray:
+        """1 - theta, exact in float64 (and exactly representable in float32)."""
+        out = 1.0 - self.theta
+        out.setflags(write=False)
+        return out
+
+    @property
+    def params(self) -> blt.BLTParams:
+        return blt.BLTParams(self.theta, self.omega)
+
+    def toeplitz_coefficients(self, n: int | None = None) -> np.ndarray:
+        """First column c_0..c_{n-1} of C (default n = the context's n_steps)."""
+        n = self.participation.n_steps if n is None else n
+        return blt.coefficients(self.params, n)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Mechanism) and self.fingerprint == other.fingerprint
+
+    def __hash__(self) -> int:
+        return hash(self.fingerprint)
+
+    def __repr__(self) -> str:
+        return (
+            f"Mechanism({type(self.recipe).__name__}, {self.participation}, "
+            f"num_buffers={self.num_buffers}, sensitivity={self.sensitivity:.6g}, "
+            f"max_loss={self.max_loss:.6g}, mean_loss={self.mean_loss:.6g})"
+        )
+
+
+def _context(n_steps, min_sep, max_participations) -> Participation:
+    if isinstance(n_steps, Participation):
+        return n_steps
+    return Participation(n_steps, min_sep, max_participations)
+
+
+# ---------------------------------------------------------------------------------------------
+# Identity strategy (DP-SGD: C = I, no correlation)
+
+
+@dataclass(frozen=True)
+class IdentityStrategy:
+    """C = I: independent Gaussian noise at every step (DP-SGD), zero buffers."""
+
+    def resolve(self, n_steps, min_sep: int = 1, max_participations: int | None = None) -> Mechanism:
+        ctx = _context(n_steps, min_sep, max_participations)
+        k = ctx.effective_participations
+        n = ctx.n_steps
+        # Prefix sums of independent noise: e_t = t + 1, so max = n and mean = (n + 1) / 2.
+        return Mechanism(
+            recipe=self, participation=ctx, theta=np.zeros(0), omega=np.zeros(0),
+            sensitivity=math.sqrt(k), max_loss=float(k * n), mean_loss=float(k * (n + 1) / 2),
+        )
+
+
+def identity_strategy() -> IdentityStrategy:
+    """The identity strategy C = I (plain DP-SGD noise)."""
+    return IdentityStrategy()
+
+
+# ---------------------------------------------------------------------------------------------
+# BLT recipe
+
+
+def _check_schedule_values(values: np.ndarray, n_steps: int) -> np.ndarray:
+    if values.ndim != 1 or values.shape[0] != n_steps:
+        raise ValueError(
+            f"lr_schedule must give one value per step: expected {n_steps} values, got shape {values.shape}"
+        )
+    if not np.all(np.isfinite(values)) or np.any(values <= 0):
+        bad = int(np.flatnonzero(~(np.isfinite(values) & (values > 0)))[0])
+        raise ValueError(
+            f"lr_schedule values must be finite and > 0; step {bad} has {values[bad]!r}"
+        )
+    return values
+
+
+@dataclass(frozen=True)
+class BLTStrategy:
+    """Recipe for a Buffered Linear Toeplitz strategy (BLT24, UseBLT24).
+
+    Fields:
+      max_buffers: upper bound on the number of buffers B (1..20). The optimizer grows B from 1
+        and stops when one more buffer improves the loss by less than ``BUFFER_GAIN`` (relative),
+        or at ``max_buffers``; the smallest B reaching the best loss is kept, since every buffer
+        costs d floats of training memory.
+      error: "max" or "mean" prefix-sum error (of the workload weighted by the schedule).
+      momentum: beta in (0, 1] of the workload W[t, s] = eta_t * beta^(t - s).
+      lr_schedule: None, a sequence of n_steps positive values eta_t, or a deterministic
+        callable step -> eta_t. A sequence is stored as a tuple and takes part in equality; a
+        callable takes part by identity, and the resolved mechanism carries a fingerprint of the
+        values it produced, so accounting and noise can check they used the same schedule.
+    """
+
+    max_buffers: int = 10
+    error: str = "max"
+    momentum: float = 1.0
+    lr_schedule: tuple | Callable[[int], float] | None = None
+
+    def __post_init__(self):
+        mb = self.max_buffers
+        if isinstance(mb, bool) or not isinstance(mb, numbers.Integral) or not 1 <= mb <= 20:
+            raise ValueError(f"max_buffers must be an integer in 1..20, got {mb!r}")
+        object.__setattr__(self, "max_buffers", int(mb))
+        if self.error not in _ERRORS:
+            raise ValueError(f"error must be one of {_ERRORS}, got {self.error!r}")
+        beta = self.momentum
+        if isinstance(beta, bool) or not isinstance(beta, numbers.Real) or not (0.0 < float(beta) <= 1.0):
+            raise ValueError(f"momentum must be a number in (0, 1], got {beta!r}")
+        object.__setattr__(self, "momentum", float(beta))
+        schedule = self.lr_schedule
+        if schedule is not None and not callable(schedule):
+            try:
+                values = np.asarray(schedule, dtype=np.float64)
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"lr_schedule must be a sequence of numbers or a callable: {exc}") from None
+            if values.ndim != 1 or values.shape[0] < 1:
+                raise ValueError(f"lr_schedule must be a 1-D sequence, got shape {values.shape}")
+            _check_schedule_values(values, values.shape[0])
+            object.__setattr__(self, "lr_schedule", tuple(float(v) for v in values))
+
+    def schedule_values(self, n_steps: int) -> np.ndarray | None:
+        """The schedule eta_0..eta_{n-1} as float64, validated; None without a schedule."""
+        schedule = self.lr_schedule
+        if schedule is None:
+            return None
+        if callable(schedule):
+            try:
+                values = np.array([float(schedule(t)) for t in range(n_steps)], dtype=np.float64)
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"lr_schedule callable must return a number for every step: {exc}") from None
+        else:
+            values = np.asarray(schedule, dtype=np.float64)
+        return _check_schedule_values(values, n_steps)
+
+    def resolve(self, n_steps, min_sep: int = 1, max_participations: int | None = None) -> Mechanism:
+        """The optimized BLT for this participation context (deterministic, cached)."""
+        ctx = _context(n_steps, min_sep, max_participations)
+        values = self.schedule_values(ctx.n_steps)
+        fingerprint = None if values is None else _digest(values)
+        # The cache key holds the schedule's values through their fingerprint, so a callable
+        # that changed what it returns can never hit a stale entry.
+        key = BLTStrategy(self.max_buffers, self.error, self.momentum, None)
+        return _resolve_blt(key, ctx, fingerprint, None if values is None else values.tobytes(), self)
+
+
+@functools.lru_cache(maxsize=256)
+def _resolve_blt(key: BLTStrategy, ctx: Participation, fingerprint, schedule_bytes, recipe) -> Mechanism:
+    from opake.dpftrl.noise import blt_optimize
+
+    schedule = None if schedule_bytes is None else np.frombuffer(schedule_bytes, dtype=np.float64)
+    result = blt_optimize.optimize(
+        ctx, error=key.error, max_buffers=key.max_buffers, momentum=key.momentum, lr_schedule=schedule,
+    )
+    return Mechanism(
+        recipe=recipe, participation=ctx, theta=result.params.theta, omega=result.params.omega,
+        sensitivity=result.sensitivity, max_loss=result.max_loss, mean_loss=result.mean_loss,
+        schedule_fingerprint=fingerprint,
+    )
+
+
+def blt_strategy(
+    max_buffers: int = 10,
+    error: str = "max",
+    momentum: float = 1.0,
+    lr_schedule: Sequence[float] | Callable[[int], float] | None = None,
+) -> BLTStrategy:
+    """A BLT strategy recipe; resolve it for a participation context to get the mechanism.
+
+    >>> strategy = blt_strategy(max_buffers=10)
+    >>> mech = strategy.resolve(n_steps=5000, min_sep=100, max_participations=5)
+    """
+    return BLTStrategy(max_buffers=max_buffers, error=error, momentum=momentum, lr_schedule=lr_schedule)
+
+
+def mechanism_from_blt(params: blt.BLTParams, participation: Participation, recipe=None) -> Mechanism:
+    """A Mechanism for hand-chosen BLT parameters (tests, experiments); checks the preconditions.
+
+    The parameters are used exactly as given (no float32 rounding): pass values from
+    ``blt.round_for_float32`` to make the float32 engine run exactly this mechanism.
+    """
+    blt.check_minsep_preconditions(params)
+    sens2 = blt.minsep_sensitivity_squared(params, participation)
+    n = participation.n_steps
+    return Mechanism(
+        recipe=recipe, participation=participation, theta=params.theta, omega=params.omega,
+        sensitivity=math.sqrt(sens2), max_loss=sens2 * blt.max_error(params, n),
+        mean_loss=sens2 * blt.mean_error(params, n),
+    )

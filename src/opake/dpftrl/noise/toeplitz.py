@@ -1,0 +1,102 @@
+"""Lower-triangular Toeplitz strategies given by their first column (numpy float64, O(n)).
+
+C[t, s] = c[t - s] for t >= s. These routines work for any such C (a BLT, a banded matrix)
+and are the O(n) references the BLT closed forms are checked against.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def _column(coefs) -> np.ndarray:
+    c = np.asarray(coefs, dtype=np.float64)
+    if c.ndim != 1 or c.shape[0] < 1:
+        raise ValueError(f"coefs must be a non-empty 1-D array, got shape {c.shape}")
+    if not np.all(np.isfinite(c)):
+        raise ValueError("coefs must be finite")
+    return c
+
+
+def inverse_coefficients(coefs) -> np.ndarray:
+    """First column of C^{-1} (also lower-triangular Toeplitz); O(n * nonzeros of c).
+
+    Forward substitution on C c_hat = e_0:
+        c_hat_0 = 1 / c_0,   c_hat_k = -(1 / c_0) sum_{j=1..k} c_j c_hat_{k-j}.
+    """
+    c = _column(coefs)
+    if c[0] == 0.0:
+        raise ValueError("coefs[0] must be non-zero for C to be invertible")
+    n = c.shape[0]
+    support = int(np.flatnonzero(c)[-1]) + 1  # banded C only needs its band
+    inv = np.zeros(n)
+    inv[0] = 1.0 / c[0]
+    for k in range(1, n):
+        width = min(k, support - 1)  # c_j = 0 beyond the band
+        if width:
+            inv[k] = -np.dot(c[1:width + 1], inv[k - 1::-1][:width]) / c[0]
+    return inv
+
+
+def check_minsep_coefficients(coefs) -> np.ndarray:
+    """The preconditions of the Toeplitz min-sep theorem: c >= 0 and non-increasing."""
+    c = _column(coefs)
+    if np.any(c < 0):
+        raise ValueError("Toeplitz min-sep sensitivity needs non-negative coefficients; "
+                         f"coefficient {int(np.argmin(c))} is {c.min()!r}")
+    if np.any(np.diff(c) > 0):
+        k = int(np.flatnonzero(np.diff(c) > 0)[0]) + 1
+        raise ValueError("Toeplitz min-sep sensitivity needs non-increasing coefficients; "
+                         f"c[{k}] = {c[k]!r} > c[{k - 1}] = {c[k - 1]!r}")
+    return c
+
+
+def minsep_sensitivity_squared(coefs, min_sep: int, max_participations: int | None = None) -> float:
+    """sens^2 of C for at most k participations at least b steps apart (BSR24 Theorem 2).
+
+    For non-negative, non-increasing c the worst pattern is {0, b, ..., (k'-1) b} with
+    k' = min(k, ceil(n / b)), so sens^2 = sum_t u_t^2 with u_t = sum_{m <= min(k'-1, t // b)}
+    c_{t - m b}. Computed in O(n): pad c to whole rows of b, cumulative-sum down the rows
+    (v_t = sum_{m <= t // b} c_{t - m b}), then drop the terms beyond k' participations by
+    subtracting the same sums shifted by k' b (u_t = v_t - v_{t - k' b}).
+    """
+    c = check_minsep_coefficients(coefs)
+    n = c.shape[0]
+    b = int(min_sep)
+    if not 1 <= b <= n:
+        raise ValueError(f"min_sep must be in 1..n_steps ({n}), got {min_sep}")
+    rows = -(-n // b)
+    k = rows if max_participations is None else min(int(max_participations), rows)
+    if k < 1:
+        raise ValueError(f"max_participations must be >= 1, got {max_participations}")
+    padded = np.zeros(rows * b)
+    padded[:n] = c
+    v = np.cumsum(padded.reshape(rows, b), axis=0).reshape(-1)[:n]
+    u = v.copy()
+    u[k * b:] -= v[: n - k * b] if k * b < n else 0.0
+    return float(np.dot(u, u))
+
+
+def per_query_errors(inverse_coefs, momentum: float = 1.0, lr_schedule=None) -> np.ndarray:
+    """e_t = ||row t of W C^{-1}||^2 for W = D_eta M_beta (prefix sums when beta = 1).
+
+    M_beta C^{-1} is Toeplitz with coefficients d_k = beta d_{k-1} + c_hat_k, so
+    E_t = sum_{k<=t} d_k^2 and e_t = eta_t^2 E_t.
+    """
+    inv = _column(inverse_coefs)
+    beta = float(momentum)
+    if beta == 1.0:
+        d = np.cumsum(inv)
+    else:
+        d = np.empty_like(inv)
+        acc = 0.0
+        for k, value in enumerate(inv):
+            acc = beta * acc + value
+            d[k] = acc
+    errors = np.cumsum(d * d)
+    if lr_schedule is not None:
+        eta = np.asarray(lr_schedule, dtype=np.float64)
+        if eta.shape != inv.shape:
+            raise ValueError(f"lr_schedule must have {inv.shape[0]} values, got shape {eta.shape}")
+        errors = eta * eta * errors
+    return errors

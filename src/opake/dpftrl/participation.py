@@ -1,0 +1,62 @@
+"""The participation context of a run: how often, and how far apart, one unit contributes."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+
+
+def _positive_int(name: str, value, upper: int | None = None, upper_name: str = "") -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
+    value = int(value)
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+    if upper is not None and value > upper:
+        raise ValueError(f"{name} must be <= {upper_name} ({upper}), got {value}")
+    return value
+
+
+@dataclass(frozen=True)
+class Participation:
+    """One frozen value for ``(n_steps, min_sep, max_participations)``.
+
+    A protected unit contributes to at most ``max_participations`` steps of the ``n_steps``
+    steps, any two of them at least ``min_sep`` steps apart (min_sep = b, max_participations =
+    k in the papers). ``max_participations=None`` means every contribution the horizon and the
+    separation allow, ceil(n_steps / min_sep).
+    """
+
+    n_steps: int
+    min_sep: int = 1
+    max_participations: int | None = None
+
+    def __post_init__(self):
+        n = _positive_int("n_steps", self.n_steps)
+        b = _positive_int("min_sep", self.min_sep, upper=n, upper_name="n_steps")
+        k = self.max_participations
+        if k is not None:
+            k = _positive_int("max_participations", k)
+        object.__setattr__(self, "n_steps", n)
+        object.__setattr__(self, "min_sep", b)
+        object.__setattr__(self, "max_participations", k)
+
+    @property
+    def max_possible_participations(self) -> int:
+        """ceil(n_steps / min_sep): the most participations the separation allows."""
+        return -(-self.n_steps // self.min_sep)
+
+    @property
+    def effective_participations(self) -> int:
+        """k' = min(k, ceil(n / b)); the number of participations sensitivity is computed for."""
+        cap = self.max_possible_participations
+        return cap if self.max_participations is None else min(self.max_participations, cap)
+
+    @property
+    def is_single(self) -> bool:
+        return self.effective_participations == 1
+
+    def __str__(self) -> str:
+        k = self.max_participations
+        return f"n_steps={self.n_steps}, min_sep={self.min_sep}, max_participations={k} (k'={self.effective_participations})"
