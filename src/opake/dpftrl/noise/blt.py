@@ -307,7 +307,7 @@ def per_query_errors_torch(leaks, weights, n: int, lr_schedule=None) -> torch.Te
     d = (weights[None, :] * torch.pow(1.0 - leaks[None, :], steps[:, None])).sum(dim=1)
     rows = torch.cumsum(d * d, dim=0)
     if lr_schedule is not None:
-        eta = torch.as_tensor(np.asarray(lr_schedule, dtype=np.float64))
+        eta = _t(lr_schedule)
         rows = eta * eta * rows
     return rows
 

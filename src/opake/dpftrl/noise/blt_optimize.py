@@ -22,8 +22,10 @@ minimized in float64 by L-BFGS with gradients from torch autograd.
 Buffer-count policy: B grows from 1; each B starts from decays spread evenly in log(1 - x)
 between 1 and about 1/n (the shape of the optimal Toeplitz strategy, c_k ~ k^-1/2, written
 as a sum of exponentials). Growth stops when one more buffer lowers the loss by less than
-``BUFFER_GAIN`` (relative) or at ``max_buffers``; the best B seen is returned. Each buffer costs
-d floats of training memory, so a buffer that buys less than 0.01% of loss is not worth it.
+``BUFFER_GAIN`` (relative) or at ``max_buffers``; the last count that did improve is returned.
+Each buffer costs d floats of training memory, so one that buys less than 0.01% of loss is not
+worth it. Counts are compared after a coarse optimization (stall tolerance 100x finer than
+BUFFER_GAIN); the chosen count is then polished to about the 9th digit of the loss.
 """
 
 from __future__ import annotations
@@ -40,9 +42,9 @@ from opake.dpftrl.noise import blt
 from opake.dpftrl.participation import Participation
 
 BUFFER_GAIN = 1e-4
-_MAX_ITERATIONS = 300
 _STALL_WINDOW = 10
-_STALL = 1e-7
+_EXPLORE_STALL, _EXPLORE_ITERATIONS = 1e-6, 150
+_POLISH_STALL, _POLISH_ITERATIONS = 1e-9, 300
 
 
 @dataclass(frozen=True)
@@ -128,7 +130,7 @@ def _initial_free(num_buffers: int, n_steps: int) -> np.ndarray:
     return np.log(np.diff(np.concatenate([[0.0], y, [y_max]])) / y_max)
 
 
-def _minimize(v0: np.ndarray, ctx, error, momentum, schedule):
+def _minimize(v0: np.ndarray, ctx, error, momentum, schedule, *, stall: float, max_iterations: int):
     best = {"f": math.inf, "x": v0, "history": []}
 
     def objective(v):
@@ -144,16 +146,15 @@ def _minimize(v0: np.ndarray, ctx, error, momentum, schedule):
 
     def stop_when_stalled(intermediate):
         # A decay drifting toward its cap can creep for hundreds of iterations while the
-        # loss changes in the 8th digit; stop once 10 iterations gained < _STALL in log-loss
-        # (1000x finer than BUFFER_GAIN, so the buffer-count decision is unaffected).
+        # loss changes in the 8th digit; stop once 10 iterations gained < stall in log-loss.
         history = best["history"]
         history.append(best["f"])
-        if len(history) > _STALL_WINDOW and history[-_STALL_WINDOW - 1] - history[-1] < _STALL:
+        if len(history) > _STALL_WINDOW and history[-_STALL_WINDOW - 1] - history[-1] < stall:
             raise StopIteration
 
     minimize(
         objective, v0, jac=True, method="L-BFGS-B", callback=stop_when_stalled,
-        options={"maxiter": _MAX_ITERATIONS, "ftol": 1e-13, "gtol": 1e-10, "maxcor": 30},
+        options={"maxiter": max_iterations, "ftol": 1e-13, "gtol": 1e-10, "maxcor": 30},
     )
     return best["x"], best["f"]
 
@@ -172,14 +173,17 @@ def optimize(
         params = blt.BLTParams(np.array([0.5]), np.array([0.0]))
         return _finish(params, ctx, momentum, lr_schedule, ())
     best_v, best_loss, losses = None, math.inf, []
+    # Explore buffer counts with a stall tolerance 100x finer than BUFFER_GAIN, then polish
+    # the chosen count to the 9th digit of the loss.
     for num_buffers in range(1, max_buffers + 1):
-        v, loss = _minimize(_initial_free(num_buffers, ctx.n_steps), ctx, error, momentum, lr_schedule)
+        v, loss = _minimize(_initial_free(num_buffers, ctx.n_steps), ctx, error, momentum, lr_schedule,
+                            stall=_EXPLORE_STALL, max_iterations=_EXPLORE_ITERATIONS)
         losses.append(math.exp(loss))
-        improved = loss < best_loss + math.log1p(-BUFFER_GAIN)
-        if loss < best_loss:
-            best_v, best_loss = v, loss
-        if num_buffers > 1 and not improved:
-            break
+        if loss >= best_loss + math.log1p(-BUFFER_GAIN):
+            break  # this buffer is not worth its memory: keep the smaller count
+        best_v, best_loss = v, loss
+    best_v, _ = _minimize(best_v, ctx, error, momentum, lr_schedule, stall=_POLISH_STALL,
+                          max_iterations=_POLISH_ITERATIONS)
     d = decays_from_free(torch.tensor(best_v, dtype=torch.float64), max_log_complement(ctx.n_steps))
     params = blt.BLTParams(d.theta.numpy(), d.omega.numpy())
     return _finish(params, ctx, momentum, lr_schedule, tuple(losses))

@@ -1,0 +1,180 @@
+"""Calibrate a noise multiplier (or any privacy parameter) to a budget.
+
+``calibrate(budget, process_factory, param_min, param_max)`` finds the smallest parameter p in
+[param_min, param_max] whose process meets the budget, assuming more noise never costs
+privacy: ``process_factory(p).epsilon_at(budget.delta)`` is non-increasing in p. The search is
+a bracketing one in log p (regula falsi with the Illinois modification, Dowell and Jarratt
+1971, plus bisection steps), which keeps a failing parameter below and a passing one above and
+stops when they are within a factor 1 + rtol. The *passing* end is returned, so the result
+always meets the budget (rounded toward more noise) and is at most (1 + rtol) times the
+smallest parameter that does.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Callable
+
+from opake.accounting.budget import EpsilonBudget
+
+_MAX_EVALUATIONS = 200
+
+
+class CalibrationRangeError(ValueError):
+    """The budget is not crossed inside [param_min, param_max]; the message says which end to move."""
+
+
+@dataclass(frozen=True)
+class CalibrationResult:
+    """The calibrated parameter and the guarantee it achieves.
+
+    Fields:
+      param: the returned parameter (e.g. noise multiplier); meets the budget.
+      epsilon: ``process.epsilon_at(budget.delta)``, <= budget.epsilon.
+      delta: ``process.delta_at(budget.epsilon)``, <= budget.delta.
+      budget: the target.
+      process: ``process_factory(param)``.
+      param_failing: the largest parameter seen that does not meet the budget; the smallest
+        passing parameter lies in (param_failing, param] and param <= (1 + rtol) * param_failing.
+      rtol: the relative tolerance the search ran to.
+      num_evaluations: number of ``epsilon_at`` evaluations.
+    """
+
+    param: float
+    epsilon: float
+    delta: float
+    budget: EpsilonBudget
+    process: object
+    param_failing: float
+    rtol: float
+    num_evaluations: int
+
+
+def _positive_finite(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {value!r} ({type(value).__name__})")
+    value = float(value)
+    if not (math.isfinite(value) and value > 0.0):
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    return value
+
+
+def calibrate(
+    budget: EpsilonBudget,
+    process_factory: Callable[[float], object],
+    param_min: float,
+    param_max: float,
+    *,
+    rtol: float = 1e-6,
+) -> CalibrationResult:
+    """Smallest parameter in [param_min, param_max] whose process meets ``budget``.
+
+    >>> import opake.accounting as acc
+    >>> result = acc.calibrate(acc.epsilon_budget(2.0, 1e-5), acc.gaussian, 0.1, 10.0)
+    >>> round(result.param, 4)
+    1.9938
+
+    Raises CalibrationRangeError (a ValueError) when param_max does not meet the budget
+    (raise param_max or relax the budget) or when param_min already does (lower param_min).
+    """
+    if not isinstance(budget, EpsilonBudget):
+        raise TypeError(
+            f"budget must be an EpsilonBudget, got {type(budget).__name__}; "
+            "build one with opake.accounting.epsilon_budget(epsilon, delta)"
+        )
+    if not callable(process_factory):
+        raise TypeError(
+            "process_factory must be a callable param -> privacy process, e.g. "
+            "lambda sigma: mf_gaussian(sigma, strategy, n_steps=...)"
+        )
+    param_min = _positive_finite("param_min", param_min)
+    param_max = _positive_finite("param_max", param_max)
+    if not param_min < param_max:
+        raise ValueError(f"param_min must be < param_max, got param_min={param_min!r}, param_max={param_max!r}")
+    if isinstance(rtol, bool) or not isinstance(rtol, numbers.Real) or not (1e-12 <= rtol <= 0.5):
+        raise ValueError(f"rtol must be a number in [1e-12, 0.5], got {rtol!r}")
+    rtol = float(rtol)
+
+    target = budget.epsilon
+    evaluations = 0
+
+    def evaluate(param: float):
+        nonlocal evaluations
+        evaluations += 1
+        process = process_factory(param)
+        if not hasattr(process, "epsilon_at"):
+            raise TypeError(
+                f"process_factory({param!r}) returned {type(process).__name__}, which has no "
+                "epsilon_at(delta); return a privacy process such as mf_gaussian(...)"
+            )
+        epsilon = float(process.epsilon_at(budget.delta))
+        if math.isnan(epsilon):
+            raise ValueError(f"process_factory({param!r}).epsilon_at({budget.delta!r}) returned nan")
+        return epsilon, process
+
+    epsilon_hi, process_hi = evaluate(param_max)
+    g_hi = epsilon_hi - target
+    if g_hi > 0.0:
+        raise CalibrationRangeError(
+            f"budget (epsilon={target!r}, delta={budget.delta!r}) is unreachable inside the range: "
+            f"even param_max={param_max!r} gives epsilon={epsilon_hi!r}; "
+            "raise param_max (more noise) or relax the budget"
+        )
+    epsilon_lo, _ = evaluate(param_min)
+    g_lo = epsilon_lo - target
+    if g_lo <= 0.0:
+        raise CalibrationRangeError(
+            f"budget (epsilon={target!r}, delta={budget.delta!r}) is already met at "
+            f"param_min={param_min!r} (epsilon={epsilon_lo!r}), so the smallest parameter "
+            "meeting it lies below the range; lower param_min"
+        )
+
+    p_lo, p_hi = param_min, param_max
+    u_lo, u_hi = math.log(p_lo), math.log(p_hi)
+    width_goal = math.log1p(rtol)
+    last_side = 0
+    iteration = 0
+    while u_hi - u_lo > width_goal:
+        iteration += 1
+        if evaluations >= _MAX_EVALUATIONS:
+            raise RuntimeError(
+                f"calibrate did not converge in {_MAX_EVALUATIONS} evaluations; is "
+                "epsilon_at non-increasing in the parameter?"
+            )
+        finite = math.isfinite(g_lo) and math.isfinite(g_hi) and g_lo != g_hi
+        if finite and iteration % 5 != 0:
+            # regula falsi on g(u) = epsilon(e^u) - target, kept at least width_goal/2 inside
+            u = (u_lo * g_hi - u_hi * g_lo) / (g_hi - g_lo)
+            margin = min(0.5 * width_goal, 0.25 * (u_hi - u_lo))
+            u = min(max(u, u_lo + margin), u_hi - margin)
+        else:
+            u = 0.5 * (u_lo + u_hi)
+        p = math.exp(u)
+        if not p_lo < p < p_hi:
+            break  # the bracket is down to adjacent floats
+        epsilon, process = evaluate(p)
+        g = epsilon - target
+        if g <= 0.0:
+            p_hi, u_hi, g_hi, process_hi = p, u, g, process
+            epsilon_hi = epsilon
+            if last_side == 1:
+                g_lo *= 0.5  # Illinois: the low end was kept twice in a row
+            last_side = 1
+        else:
+            p_lo, u_lo, g_lo = p, u, g
+            if last_side == -1:
+                g_hi *= 0.5
+            last_side = -1
+
+    return CalibrationResult(
+        param=p_hi,
+        epsilon=epsilon_hi,
+        delta=float(process_hi.delta_at(budget.epsilon)),
+        budget=budget,
+        process=process_hi,
+        param_failing=p_lo,
+        rtol=rtol,
+        num_evaluations=evaluations,
+    )

@@ -1,0 +1,73 @@
+"""The privacy-process protocol and the checks every process applies to its arguments.
+
+A *privacy process* is anything that can state its (epsilon, delta)-DP guarantee in both
+directions: ``epsilon_at(delta)`` (the smallest epsilon it certifies at that delta) and
+``delta_at(epsilon)`` (the smallest delta it certifies at that epsilon). Both are
+non-increasing in their argument. Processes are frozen values; amplifiers wrap them and
+``calibrate`` searches over a family of them.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Protocol, runtime_checkable
+
+
+@runtime_checkable
+class PrivacyProcess(Protocol):
+    """What ``calibrate`` and the amplifiers need from a privacy process.
+
+    ``is_guarantee`` is True when the numbers are proven upper bounds, False when they are
+    estimates (for example Monte Carlo); ``description`` says in words what was computed.
+    """
+
+    is_guarantee: bool
+    description: str
+
+    def epsilon_at(self, delta: float) -> float:
+        """Smallest epsilon such that the process is (epsilon, delta)-DP."""
+        ...
+
+    def delta_at(self, epsilon: float) -> float:
+        """Smallest delta such that the process is (epsilon, delta)-DP."""
+        ...
+
+
+def _real(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {value!r} ({type(value).__name__})")
+    return float(value)
+
+
+def check_delta(delta, name: str = "delta") -> float:
+    """``delta`` as a float in the open interval (0, 1), or a ValueError/TypeError saying why not."""
+    value = _real(name, delta)
+    if not (0.0 < value < 1.0):
+        raise ValueError(
+            f"{name} must be in the open interval (0, 1), got {delta!r}; "
+            "a usual choice is 1e-5 or below 1 / (number of protected units)"
+        )
+    return value
+
+
+def check_epsilon(epsilon, name: str = "epsilon") -> float:
+    """``epsilon`` as a finite float >= 0, or a ValueError/TypeError saying why not."""
+    value = _real(name, epsilon)
+    if not (math.isfinite(value) and value >= 0.0):
+        raise ValueError(
+            f"{name} must be a finite number >= 0, got {epsilon!r}; "
+            "use epsilon=0 for the pure hockey-stick divergence at e^0 = 1"
+        )
+    return value
+
+
+def check_noise_multiplier(noise_multiplier, name: str = "noise_multiplier") -> float:
+    """A finite noise multiplier > 0 (the noise standard deviation over the clip norm)."""
+    value = _real(name, noise_multiplier)
+    if not (math.isfinite(value) and value > 0.0):
+        raise ValueError(
+            f"{name} must be a finite number > 0, got {noise_multiplier!r}; "
+            "to find one for a privacy budget use opake.accounting.calibrate"
+        )
+    return value

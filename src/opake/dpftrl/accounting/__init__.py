@@ -1,0 +1,29 @@
+"""Privacy accounting for matrix-factorization (DP-FTRL) runs.
+
+* ``mf_gaussian(noise_multiplier, strategy, n_steps, min_sep, max_participations)``: the run as
+  one Gaussian with noise multiplier noise_multiplier / S (exact).
+* ``balls_in_bins(mf_gaussian(noise_multiplier, strategy), num_bins, n_steps)``: fixed bins
+  processed cyclically; rigorous (unamplified) by default, a rigorous amplified RDP bound
+  (method="rdp") or a Monte Carlo estimate (method="monte_carlo") on request.
+* ``poisson``: cyclic Poisson for BandMF / identity (a later issue); refuses a BLT.
+"""
+
+from opake.dpftrl.accounting.balls_in_bins import BallsInBins, balls_in_bins
+from opake.dpftrl.accounting.gaussian import MFGaussian, UnboundMechanismError, mf_gaussian
+from opake.dpftrl.accounting.monte_carlo import BallsInBinsMonteCarlo, DeltaEstimate, EpsilonEstimate
+from opake.dpftrl.accounting.poisson import UnsupportedAmplificationError, poisson
+from opake.dpftrl.accounting.rdp_allocation import BallsInBinsRDP
+
+__all__ = [
+    "BallsInBins",
+    "BallsInBinsMonteCarlo",
+    "BallsInBinsRDP",
+    "DeltaEstimate",
+    "EpsilonEstimate",
+    "MFGaussian",
+    "UnboundMechanismError",
+    "UnsupportedAmplificationError",
+    "balls_in_bins",
+    "mf_gaussian",
+    "poisson",
+]

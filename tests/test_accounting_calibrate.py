@@ -1,0 +1,133 @@
+"""calibrate: hits the budget within its stated tolerance, is monotone, and refuses bad ranges.
+
+Reference: dp_accounting.get_sigma_gaussian (exact Gaussian calibration, independent code),
+and the definition itself (param meets the budget, param / (1 + rtol) does not).
+"""
+
+import math
+import time
+
+import dp_accounting
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import opake.accounting as acc
+
+
+@pytest.mark.parametrize("epsilon", [0.1, 0.5, 1.0, 3.0, 10.0])
+@pytest.mark.parametrize("delta", [1e-10, 1e-5, 1e-3])
+def test_gaussian_calibration_matches_dp_accounting_within_tolerance(epsilon, delta):
+    budget = acc.epsilon_budget(epsilon, delta)
+    result = acc.calibrate(budget, acc.gaussian, 0.01, 1000.0, rtol=1e-7)
+    reference = dp_accounting.get_sigma_gaussian(epsilon, delta)
+    # the returned param meets the budget and is within rtol above the exact minimum
+    assert reference * (1 - 1e-10) <= result.param <= reference * (1 + 1e-7) * (1 + 1e-10)
+    assert result.epsilon <= epsilon
+    assert result.delta <= delta
+    assert result.epsilon == pytest.approx(acc.gaussian(result.param).epsilon_at(delta), rel=0, abs=0)
+    assert result.param <= result.param_failing * (1 + result.rtol)
+    assert acc.gaussian(result.param_failing).epsilon_at(delta) > epsilon
+    assert result.budget == budget
+    assert result.process == acc.gaussian(result.param)
+
+
+@pytest.mark.parametrize("rtol", [1e-3, 1e-6, 1e-10])
+def test_returned_param_is_within_rtol_of_the_smallest_meeting_one(rtol):
+    budget = acc.epsilon_budget(2.0, 1e-5)
+    result = acc.calibrate(budget, acc.gaussian, 0.1, 100.0, rtol=rtol)
+    assert acc.gaussian(result.param).epsilon_at(1e-5) <= 2.0
+    assert acc.gaussian(result.param / (1 + rtol)).epsilon_at(1e-5) > 2.0
+    assert result.param == pytest.approx(dp_accounting.get_sigma_gaussian(2.0, 1e-5), rel=2 * rtol)
+
+
+@given(
+    epsilon=st.floats(min_value=0.2, max_value=20.0),
+    log10_delta=st.floats(min_value=-10.0, max_value=-3.0),
+)
+def test_calibration_is_monotone_in_the_budget(epsilon, log10_delta):
+    delta = 10.0**log10_delta
+    base = acc.calibrate(acc.epsilon_budget(epsilon, delta), acc.gaussian, 0.01, 1000.0).param
+    looser_epsilon = acc.calibrate(acc.epsilon_budget(epsilon * 1.05, delta), acc.gaussian, 0.01, 1000.0).param
+    looser_delta = acc.calibrate(acc.epsilon_budget(epsilon, delta * 2), acc.gaussian, 0.01, 1000.0).param
+    assert looser_epsilon < base
+    assert looser_delta < base
+
+
+def test_generic_process_factory_with_a_scaled_parameter():
+    # A process whose noise multiplier is param / 3 (e.g. sensitivity 3): the answer scales by 3.
+    result = acc.calibrate(acc.epsilon_budget(1.0, 1e-6), lambda p: acc.gaussian(p / 3.0), 0.1, 100.0)
+    assert result.param == pytest.approx(3 * dp_accounting.get_sigma_gaussian(1.0, 1e-6), rel=2e-6)
+
+
+def test_calibration_is_fast():
+    budget = acc.epsilon_budget(2.0, 1e-5)
+    start = time.perf_counter()
+    for _ in range(10):
+        acc.calibrate(budget, acc.gaussian, 0.1, 10.0)
+    assert (time.perf_counter() - start) / 10 < 0.05
+
+
+def test_unreachable_budget_names_param_max():
+    with pytest.raises(acc.CalibrationRangeError, match="unreachable.*param_max=2.0.*raise param_max"):
+        acc.calibrate(acc.epsilon_budget(0.1, 1e-5), acc.gaussian, 0.1, 2.0)
+
+
+def test_budget_already_met_at_param_min_names_param_min():
+    with pytest.raises(acc.CalibrationRangeError, match="already met at param_min=5.0.*lower param_min"):
+        acc.calibrate(acc.epsilon_budget(10.0, 1e-5), acc.gaussian, 5.0, 50.0)
+
+
+def test_range_error_is_a_value_error():
+    assert issubclass(acc.CalibrationRangeError, ValueError)
+
+
+@pytest.mark.parametrize(
+    "param_min, param_max, message",
+    [
+        (0.0, 1.0, "param_min must be a finite number > 0"),
+        (-1.0, 1.0, "param_min must be a finite number > 0"),
+        (0.1, math.inf, "param_max must be a finite number > 0"),
+        (2.0, 1.0, "param_min must be < param_max"),
+    ],
+)
+def test_bad_range_is_refused(param_min, param_max, message):
+    with pytest.raises(ValueError, match=message):
+        acc.calibrate(acc.epsilon_budget(1.0, 1e-5), acc.gaussian, param_min, param_max)
+
+
+def test_bad_budget_and_factory_are_type_errors():
+    with pytest.raises(TypeError, match="budget must be an EpsilonBudget.*epsilon_budget"):
+        acc.calibrate((1.0, 1e-5), acc.gaussian, 0.1, 10.0)
+    with pytest.raises(TypeError, match="process_factory must be a callable"):
+        acc.calibrate(acc.epsilon_budget(1.0, 1e-5), 3.0, 0.1, 10.0)
+    with pytest.raises(TypeError, match="has no epsilon_at"):
+        acc.calibrate(acc.epsilon_budget(1.0, 1e-5), lambda p: p, 0.1, 10.0)
+
+
+@pytest.mark.parametrize("rtol", [0.0, 1e-15, 0.9])
+def test_bad_rtol_is_refused(rtol):
+    with pytest.raises(ValueError, match=r"rtol must be a number in \[1e-12, 0.5\]"):
+        acc.calibrate(acc.epsilon_budget(1.0, 1e-5), acc.gaussian, 0.1, 10.0, rtol=rtol)
+
+
+@pytest.mark.parametrize(
+    "epsilon, delta, message",
+    [
+        (-1.0, 1e-5, "epsilon must be a finite number >= 0"),
+        (math.inf, 1e-5, "epsilon must be a finite number >= 0"),
+        (1.0, 0.0, r"delta must be in the open interval \(0, 1\)"),
+        (1.0, 1.0, r"delta must be in the open interval \(0, 1\)"),
+    ],
+)
+def test_bad_budget_values_are_refused(epsilon, delta, message):
+    with pytest.raises(ValueError, match=message):
+        acc.epsilon_budget(epsilon, delta)
+
+
+def test_budget_is_frozen_and_checks_a_process():
+    budget = acc.epsilon_budget(2.0, 1e-5)
+    with pytest.raises(AttributeError):
+        budget.epsilon = 3.0
+    assert budget.is_met_by(acc.gaussian(2.0))
+    assert not budget.is_met_by(acc.gaussian(1.9))
