@@ -10,8 +10,9 @@ Its inverse C^{-1} is again a BLT (theta_hat, omega_hat) (Inv25). All closed for
 O(B^2) (min-sep: O(B^2 log(n / b))), independent of n, and stay accurate for decays within
 1e-11 of 1 because they are written in terms of 1 - theta (see ``geometric``).
 
-The functions taking torch tensors (suffix ``_torch``) are the single implementation, shared
-with the optimizer for automatic differentiation; the numpy-facing functions wrap them.
+The array functions (suffix ``_arrays``) are the single implementation, shared with the
+optimizer: they take parameters with any leading batch dimensions and accept complex-step
+input (see ``geometric``), which is how the optimizer gets exact gradients.
 """
 
 from __future__ import annotations
@@ -19,13 +20,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 from scipy.optimize import brentq
 
 from opake.dpftrl.noise.geometric import (
     complement_of_product,
     cumulative_geometric_sum,
+    expm1,
     geometric_sum,
+    log1p,
     product_geometric_sum,
 )
 from opake.dpftrl.participation import Participation
@@ -69,8 +71,12 @@ class BLTParams:
         return f"BLTParams(theta={self.theta.tolist()}, omega={self.omega.tolist()})"
 
 
-def _t(x) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(x, dtype=np.float64).copy())
+def _pairs(x):
+    return x[..., :, None], x[..., None, :]
+
+
+def _sum_pairs(x):
+    return x.sum(axis=(-1, -2))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -129,7 +135,7 @@ def round_for_float32(params: BLTParams) -> BLTParams:
 # Sensitivity
 
 
-def minsep_sensitivity_squared_torch(theta, leak, omega, participation: Participation) -> torch.Tensor:
+def minsep_sensitivity_squared_arrays(theta, leak, omega, participation: Participation):
     """sens^2 for participations at least b apart, at most k' of them (BSR24 Thm 2 for a BLT).
 
     The worst pattern is {0, b, ..., (P-1) b}, P = k'. Streaming C over that input, the buffer
@@ -148,26 +154,31 @@ def minsep_sensitivity_squared_torch(theta, leak, omega, participation: Particip
     b = participation.min_sep
     periods = participation.effective_participations - 1
     last_len = n - periods * b
-    q_pair = complement_of_product(leak[:, None], leak[None, :])
-    w2 = omega[:, None] * omega[None, :]
+    q_pair = complement_of_product(*_pairs(leak))
+    wi, wj = _pairs(omega)
+    w2 = wi * wj
     if periods == 0:
-        return 1.0 + (w2 * geometric_sum(q_pair, last_len - 1)).sum()
-    # a = theta^b kept as 1 - a, precise when theta is near 1
-    leak_b = -torch.expm1(b * torch.log1p(-leak))
-    g = torch.pow(theta, b - 1)
-    g_n = geometric_sum(leak_b, periods)                        # G(a_i, P-1)
-    s_n = g * cumulative_geometric_sum(leak_b, periods)         # sum_q S_qi
-    t_n = product_geometric_sum(leak_b[:, None], leak_b[None, :], periods)  # T(a_i, a_j, P-1)
-    state_sum2 = (g[:, None] * g[None, :]) * t_n                # sum_q S_qi S_qj
+        return 1.0 + _sum_pairs(w2 * geometric_sum(q_pair, last_len - 1))
+    with np.errstate(divide="ignore"):  # theta = 0 gives log 0 = -inf, and 1 - a = 1 exactly
+        log_theta = log1p(-leak)
+        leak_b = -expm1(b * log_theta)                           # 1 - theta^b, precise near 1
+    positive = leak.real < 1.0
+    g = np.where(positive, np.exp((b - 1) * np.where(positive, log_theta, 0.0)),
+                 1.0 if b == 1 else 0.0)                         # theta^(b-1), 0^0 = 1
+    g_n = geometric_sum(leak_b, periods)                         # G(a_i, P-1)
+    s_n = g * cumulative_geometric_sum(leak_b, periods)          # sum_q S_qi
+    t_n = product_geometric_sum(*_pairs(leak_b), periods)        # T(a_i, a_j, P-1)
+    gi, gj = _pairs(g)
+    gni, gnj = _pairs(g_n)
     periods_part = (
-        periods + 2.0 * (omega * s_n).sum() + (w2 * state_sum2).sum()
-        + (w2 * geometric_sum(q_pair, b - 1) * (t_n + g_n[:, None] * g_n[None, :])).sum()
+        periods + 2.0 * (omega * s_n).sum(axis=-1) + _sum_pairs(w2 * gi * gj * t_n)
+        + _sum_pairs(w2 * geometric_sum(q_pair, b - 1) * (t_n + gni * gnj))
     )
-    state_last = g * g_n                                        # S_{P-1}
-    a_last = geometric_sum(leak_b, periods + 1)                 # theta_i S_{P-1,i} + 1
-    last_part = (1.0 + (omega * state_last).sum()) ** 2 + (
-        w2 * geometric_sum(q_pair, last_len - 1) * (a_last[:, None] * a_last[None, :])
-    ).sum()
+    state_last = g * g_n                                         # S_{P-1}
+    ai, aj = _pairs(geometric_sum(leak_b, periods + 1))          # theta_i S_{P-1,i} + 1
+    last_part = (1.0 + (omega * state_last).sum(axis=-1)) ** 2 + _sum_pairs(
+        w2 * geometric_sum(q_pair, last_len - 1) * ai * aj
+    )
     return periods_part + last_part
 
 
@@ -177,24 +188,21 @@ def sensitivity_squared(params: BLTParams, n_steps: int | None = None) -> float:
     1 + sum_ij omega_i omega_j G(theta_i theta_j, n - 1); for n -> infinity (``n_steps=None``)
     1 + sum_ij omega_i omega_j / (1 - theta_i theta_j) (infinite if some theta_i = 1).
     """
-    leak = _t(params.one_minus_theta)
-    omega = _t(params.omega)
     if n_steps is None:
-        q_pair = complement_of_product(leak[:, None], leak[None, :])
-        w2 = omega[:, None] * omega[None, :]
-        if torch.any((q_pair <= 0) & (w2 != 0)):
+        q_pair = complement_of_product(*_pairs(params.one_minus_theta))
+        w2 = params.omega[:, None] * params.omega[None, :]
+        if np.any((q_pair <= 0) & (w2 != 0)):
             return float("inf")
-        return float(1.0 + (w2 / torch.where(q_pair > 0, q_pair, torch.ones_like(q_pair))).sum())
+        return float(1.0 + np.sum(w2 / np.where(q_pair > 0, q_pair, 1.0)))
     return minsep_sensitivity_squared(params, Participation(int(n_steps), 1, 1))
 
 
 def minsep_sensitivity_squared(params: BLTParams, participation: Participation) -> float:
-    """sens^2 for ``participation`` (min_sep b, at most k participations); see the torch form."""
+    """sens^2 for ``participation`` (min_sep b, at most k participations); see the array form."""
     check_minsep_preconditions(params)
-    value = minsep_sensitivity_squared_torch(
-        _t(params.theta), _t(params.one_minus_theta), _t(params.omega), participation
-    )
-    return float(value)
+    return float(minsep_sensitivity_squared_arrays(
+        params.theta, params.one_minus_theta, params.omega, participation
+    ))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -268,24 +276,25 @@ def inverse_coefficients(params: BLTParams, n: int) -> np.ndarray:
 # Errors of the workload W = D_eta M_beta (prefix sums for beta = 1 and no schedule)
 
 
-def workload_terms_torch(leak, leak_hat, omega_hat, momentum: float):
+def workload_terms_arrays(leak, leak_hat, omega_hat, momentum: float):
     """Decays (as 1 - rho) and weights R with (M_beta C^{-1})_k = sum_a R_a rho_a^k.
 
-    rho = (beta, theta_hat_1..B); by partial fractions of prod_i(x - theta_i)/prod_j(x - theta_hat_j)/(x - beta):
+    rho = (beta, theta_hat_1..B); by partial fractions of
+    prod_i (x - theta_i) / prod_j (x - theta_hat_j) / (x - beta):
         R_beta = prod_i (beta - theta_i) / prod_j (beta - theta_hat_j),
         R_j    = omega_hat_j / (theta_hat_j - beta).
     For beta = 1 every R is positive (R_beta = prod(1-theta)/prod(1-theta_hat)), so the
     prefix-sum errors are sums of positive terms and nothing cancels.
     """
-    q_beta = torch.as_tensor(1.0 - momentum, dtype=leak.dtype)
-    r_beta = torch.prod(leak - q_beta) / torch.prod(leak_hat - q_beta)
+    q_beta = 1.0 - float(momentum)
+    r_beta = np.prod(leak - q_beta, axis=-1) / np.prod(leak_hat - q_beta, axis=-1)
     r_hat = omega_hat / (q_beta - leak_hat)
-    leaks = torch.cat([q_beta.reshape(1), leak_hat])
-    weights = torch.cat([r_beta.reshape(1), r_hat])
+    leaks = np.concatenate([np.broadcast_to(q_beta, leak_hat.shape[:-1] + (1,)), leak_hat], axis=-1)
+    weights = np.concatenate([r_beta[..., None], r_hat], axis=-1)
     return leaks, weights
 
 
-def error_torch(leaks, weights, n: int, kind: str, lr_schedule=None) -> torch.Tensor:
+def error_arrays(leaks, weights, n: int, kind: str, lr_schedule=None):
     """Max or mean over t of e_t = eta_t^2 sum_{k<=t} d_k^2 with d_k = sum_a R_a rho_a^k.
 
     Without a schedule e_t increases, so max = E_{n-1} = sum_ab R_a R_b G(rho_a rho_b, n) and
@@ -293,40 +302,46 @@ def error_torch(leaks, weights, n: int, kind: str, lr_schedule=None) -> torch.Te
     is needed: O(nB).
     """
     if lr_schedule is None:
-        q_pair = complement_of_product(leaks[:, None], leaks[None, :])
-        w2 = weights[:, None] * weights[None, :]
+        q_pair = complement_of_product(*_pairs(leaks))
+        ri, rj = _pairs(weights)
         if kind == "max":
-            return (w2 * geometric_sum(q_pair, n)).sum()
-        return (w2 * cumulative_geometric_sum(q_pair, n + 1)).sum() / n
-    rows = per_query_errors_torch(leaks, weights, n, lr_schedule)
-    return rows.max() if kind == "max" else rows.mean()
+            return _sum_pairs(ri * rj * geometric_sum(q_pair, n))
+        return _sum_pairs(ri * rj * cumulative_geometric_sum(q_pair, n + 1)) / n
+    rows = per_query_errors_arrays(leaks, weights, n, lr_schedule)
+    if kind == "max":
+        return np.take_along_axis(rows, np.argmax(rows.real, axis=-1)[..., None], axis=-1)[..., 0]
+    return rows.mean(axis=-1)
 
 
-def per_query_errors_torch(leaks, weights, n: int, lr_schedule=None) -> torch.Tensor:
-    steps = torch.arange(n, dtype=leaks.dtype)
-    d = (weights[None, :] * torch.pow(1.0 - leaks[None, :], steps[:, None])).sum(dim=1)
-    rows = torch.cumsum(d * d, dim=0)
+def per_query_errors_arrays(leaks, weights, n: int, lr_schedule=None):
+    steps = np.arange(n, dtype=np.float64)
+    if np.iscomplexobj(leaks):  # complex step: decays lie in (0, 1) inside the optimizer
+        powers = np.exp(steps[:, None] * log1p(-leaks[..., None, :]))
+    else:
+        powers = np.power(1.0 - leaks[..., None, :], steps[:, None])
+    d = (weights[..., None, :] * powers).sum(axis=-1)
+    rows = np.cumsum(d * d, axis=-1)
     if lr_schedule is not None:
-        eta = _t(lr_schedule)
+        eta = np.asarray(lr_schedule, dtype=np.float64)
         rows = eta * eta * rows
     return rows
 
 
 def _workload(params: BLTParams, momentum: float):
     delta, omega_hat = _inverse_roots(params.one_minus_theta, params.omega)
-    return workload_terms_torch(_t(params.one_minus_theta), _t(delta), _t(omega_hat), float(momentum))
+    return workload_terms_arrays(params.one_minus_theta, delta, omega_hat, float(momentum))
 
 
 def max_error(params: BLTParams, n: int, momentum: float = 1.0) -> float:
     """max_t of the squared prefix-sum error of C^{-1} (BLT24 Lemma 5.4), weighted by M_beta."""
-    return float(error_torch(*_workload(params, momentum), int(n), "max"))
+    return float(error_arrays(*_workload(params, momentum), int(n), "max"))
 
 
 def mean_error(params: BLTParams, n: int, momentum: float = 1.0) -> float:
     """mean_t of the squared prefix-sum error of C^{-1}, weighted by M_beta."""
-    return float(error_torch(*_workload(params, momentum), int(n), "mean"))
+    return float(error_arrays(*_workload(params, momentum), int(n), "mean"))
 
 
 def per_query_errors(params: BLTParams, n: int, momentum: float = 1.0, lr_schedule=None) -> np.ndarray:
     """e_t = ||row t of D_eta M_beta C^{-1}||^2 for t < n, O(nB)."""
-    return per_query_errors_torch(*_workload(params, momentum), int(n), lr_schedule).numpy()
+    return per_query_errors_arrays(*_workload(params, momentum), int(n), lr_schedule)

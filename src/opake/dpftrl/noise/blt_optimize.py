@@ -17,7 +17,9 @@ keeps full precision for decays within 1e-11 of 1, and every difference x_a - x_
 from the gaps exp(v) (never by subtracting two numbers near 1).
 
 The loss sens^2 x error is evaluated in closed form (``blt``), O(B^2 log(n/b)) for any n, and
-minimized in float64 by L-BFGS with gradients from torch autograd.
+minimized in float64 by L-BFGS. Gradients are exact by the complex step: the loss is evaluated
+once for the 2B + 1 inputs v + i h e_j together (one vectorized pass), and Im(loss) / h is the
+gradient; every function on the path is analytic and extended to complex input.
 
 Buffer-count policy: B grows from 1; each B starts from decays spread evenly in log(1 - x)
 between 1 and about 1/n (the shape of the optimal Toeplitz strategy, c_k ~ k^-1/2, written
@@ -30,19 +32,20 @@ BUFFER_GAIN); the chosen count is then polished to about the 9th digit of the lo
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 from scipy.optimize import minimize
+from threadpoolctl import threadpool_limits
 
 from opake.dpftrl.noise import blt
+from opake.dpftrl.noise.geometric import expm1
 from opake.dpftrl.participation import Participation
 
 BUFFER_GAIN = 1e-4
 _STALL_WINDOW = 10
+_STEP = 1e-20  # complex-step size: exact to O(h^2), no subtraction
 _EXPLORE_STALL, _EXPLORE_ITERATIONS = 1e-6, 150
 _POLISH_STALL, _POLISH_ITERATIONS = 1e-9, 300
 
@@ -58,13 +61,13 @@ class OptimizeResult:
 
 @dataclass(frozen=True)
 class _Decays:
-    """Both decay sets with their complements and output scales, as torch float64."""
+    """Both decay sets with their complements and output scales, shape (..., B)."""
 
-    theta: torch.Tensor
-    leak: torch.Tensor
-    omega: torch.Tensor
-    leak_hat: torch.Tensor
-    omega_hat: torch.Tensor
+    theta: np.ndarray
+    leak: np.ndarray
+    omega: np.ndarray
+    leak_hat: np.ndarray
+    omega_hat: np.ndarray
 
 
 def max_log_complement(n_steps: int) -> float:
@@ -77,49 +80,45 @@ def max_log_complement(n_steps: int) -> float:
     return min(math.log(n_steps) + 16.0, 32.0)
 
 
-def decays_from_free(v: torch.Tensor, y_max: float) -> _Decays:
-    """Map unconstrained v (2B + 1,) to an interlaced valid BLT and its inverse.
+def decays_from_free(v, y_max: float) -> _Decays:
+    """Map unconstrained v (..., 2B + 1) to an interlaced valid BLT and its inverse.
 
     shares = softmax(v); y_c = y_max * (shares_0 + ... + shares_c) for c < 2B, so
     0 < y_1 < ... < y_2B < y_max and x = 1 - e^-y is strictly inside (0, 1).
     """
-    shares = torch.softmax(v, dim=0)
-    size = v.shape[0] - 1
-    y = y_max * torch.cumsum(shares, dim=0)[:size]
-    between, upper = _masks(size)
-    # span[a, b] = y_a - y_b for a > b, summed from the shares so that no digits cancel
-    span = y_max * (between * shares[:size]).sum(dim=-1)
-    safe_span = torch.where(upper, span, torch.ones_like(span))
+    v = np.asarray(v)
+    e = np.exp(v - v.real.max(axis=-1, keepdims=True))
+    cums = np.cumsum(e, axis=-1) / e.sum(axis=-1, keepdims=True)
+    size = v.shape[-1] - 1
+    y = y_max * cums[..., :size]
+    upper = np.tri(size, size, -1, dtype=bool)  # a > b
+    span = y_max * (cums[..., :size, None] - cums[..., None, :size])  # y_a - y_b
+    safe_span = np.where(upper, span, 1.0)
     # log|x_a - x_b| = -y_b + log(1 - e^-(y_a - y_b)) for a > b; symmetric
-    log_gap = torch.where(upper, -y[None, :] + torch.log(-torch.expm1(-safe_span)), torch.zeros_like(span))
-    log_gap = log_gap + log_gap.T
-    hat_rows, own_rows = log_gap[0::2], log_gap[1::2]
-    off = 1.0 - torch.eye(size // 2, dtype=v.dtype)
-    log_omega = own_rows[:, 0::2].sum(1) - (off * own_rows[:, 1::2]).sum(1)
-    log_omega_hat = hat_rows[:, 1::2].sum(1) - (off * hat_rows[:, 0::2]).sum(1)
+    log_gap = np.where(upper, -y[..., None, :] + np.log(-expm1(-safe_span)), 0.0)
+    log_gap = log_gap + np.swapaxes(log_gap, -1, -2)
+    hat_rows, own_rows = log_gap[..., 0::2, :], log_gap[..., 1::2, :]
+    off = 1.0 - np.eye(size // 2)
+    log_omega = own_rows[..., 0::2].sum(-1) - (off * own_rows[..., 1::2]).sum(-1)
+    log_omega_hat = hat_rows[..., 1::2].sum(-1) - (off * hat_rows[..., 0::2]).sum(-1)
     return _Decays(
-        theta=-torch.expm1(-y[1::2]),
-        leak=torch.exp(-y[1::2]),
-        omega=torch.exp(log_omega),
-        leak_hat=torch.exp(-y[0::2]),
-        omega_hat=-torch.exp(log_omega_hat),
+        theta=-expm1(-y[..., 1::2]),
+        leak=np.exp(-y[..., 1::2]),
+        omega=np.exp(log_omega),
+        leak_hat=np.exp(-y[..., 0::2]),
+        omega_hat=-np.exp(log_omega_hat),
     )
 
 
-@functools.lru_cache(maxsize=64)
-def _masks(size: int):
-    idx = torch.arange(size)
-    between = (idx[None, None, :] > idx[None, :, None]) & (idx[None, None, :] <= idx[:, None, None])
-    upper = idx[:, None] > idx[None, :]
-    return between.to(torch.float64), upper
-
-
-def _loss_torch(v, ctx: Participation, error: str, momentum: float, schedule) -> torch.Tensor:
-    d = decays_from_free(v, max_log_complement(ctx.n_steps))
-    sens2 = blt.minsep_sensitivity_squared_torch(d.theta, d.leak, d.omega, ctx)
-    leaks, weights = blt.workload_terms_torch(d.leak, d.leak_hat, d.omega_hat, momentum)
-    err = blt.error_torch(leaks, weights, ctx.n_steps, error, schedule)
-    return torch.log(sens2) + torch.log(err)
+def _loss(v, ctx: Participation, error: str, momentum: float, schedule):
+    # A line-search probe far out can underflow a gap to 0; the objective then reports a
+    # non-finite loss and L-BFGS backs off, so the floating-point warnings are expected.
+    with np.errstate(all="ignore"):
+        d = decays_from_free(v, max_log_complement(ctx.n_steps))
+        sens2 = blt.minsep_sensitivity_squared_arrays(d.theta, d.leak, d.omega, ctx)
+        leaks, weights = blt.workload_terms_arrays(d.leak, d.leak_hat, d.omega_hat, momentum)
+        err = blt.error_arrays(leaks, weights, ctx.n_steps, error, schedule)
+        return np.log(sens2) + np.log(err)
 
 
 def _initial_free(num_buffers: int, n_steps: int) -> np.ndarray:
@@ -134,15 +133,14 @@ def _minimize(v0: np.ndarray, ctx, error, momentum, schedule, *, stall: float, m
     best = {"f": math.inf, "x": v0, "history": []}
 
     def objective(v):
-        vt = torch.tensor(v, dtype=torch.float64, requires_grad=True)
-        loss = _loss_torch(vt, ctx, error, momentum, schedule)
-        (grad,) = torch.autograd.grad(loss, vt)
-        value = float(loss.detach())
+        probes = v[None, :] + (1j * _STEP) * np.eye(v.shape[0])
+        loss = _loss(probes, ctx, error, momentum, schedule)
+        value = float(loss[0].real)
         if not math.isfinite(value):
             return 1e300, np.zeros_like(v)
         if value < best["f"]:
             best["f"], best["x"] = value, np.array(v)
-        return value, grad.numpy().astype(np.float64)
+        return value, loss.imag / _STEP
 
     def stop_when_stalled(intermediate):
         # A decay drifting toward its cap can creep for hundreds of iterations while the
@@ -152,10 +150,12 @@ def _minimize(v0: np.ndarray, ctx, error, momentum, schedule, *, stall: float, m
         if len(history) > _STALL_WINDOW and history[-_STALL_WINDOW - 1] - history[-1] < stall:
             raise StopIteration
 
-    minimize(
-        objective, v0, jac=True, method="L-BFGS-B", callback=stop_when_stalled,
-        options={"maxiter": max_iterations, "ftol": 1e-13, "gtol": 1e-10, "maxcor": 30},
-    )
+    # L-BFGS-B's linear algebra is tiny (2B + 1 variables): BLAS threads only add latency.
+    with threadpool_limits(limits=1, user_api="blas"):
+        minimize(
+            objective, v0, jac=True, method="L-BFGS-B", callback=stop_when_stalled,
+            options={"maxiter": max_iterations, "ftol": 1e-13, "gtol": 1e-10, "maxcor": 30},
+        )
     return best["x"], best["f"]
 
 
@@ -184,8 +184,8 @@ def optimize(
         best_v, best_loss = v, loss
     best_v, _ = _minimize(best_v, ctx, error, momentum, lr_schedule, stall=_POLISH_STALL,
                           max_iterations=_POLISH_ITERATIONS)
-    d = decays_from_free(torch.tensor(best_v, dtype=torch.float64), max_log_complement(ctx.n_steps))
-    params = blt.BLTParams(d.theta.numpy(), d.omega.numpy())
+    d = decays_from_free(best_v, max_log_complement(ctx.n_steps))
+    params = blt.BLTParams(d.theta, d.omega)
     return _finish(params, ctx, momentum, lr_schedule, tuple(losses))
 
 
