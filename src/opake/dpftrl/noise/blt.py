@@ -165,20 +165,20 @@ def minsep_sensitivity_squared_arrays(theta, leak, omega, participation: Partici
     positive = leak.real < 1.0
     g = np.where(positive, np.exp((b - 1) * np.where(positive, log_theta, 0.0)),
                  1.0 if b == 1 else 0.0)                         # theta^(b-1), 0^0 = 1
-    g_n = geometric_sum(leak_b, periods)                         # G(a_i, P-1)
+    # one vectorized call per sum: G(a_i, P-1) and G(a_i, P); G(theta_i theta_j, b-1) and (L-1)
+    g_n, a_last = geometric_sum(leak_b, np.array([periods, periods + 1.0]).reshape((2,) + (1,) * leak_b.ndim))
+    g_period, g_last = geometric_sum(q_pair, np.array([b - 1.0, last_len - 1.0]).reshape((2,) + (1,) * q_pair.ndim))
     s_n = g * cumulative_geometric_sum(leak_b, periods)          # sum_q S_qi
     t_n = product_geometric_sum(*_pairs(leak_b), periods)        # T(a_i, a_j, P-1)
     gi, gj = _pairs(g)
     gni, gnj = _pairs(g_n)
     periods_part = (
         periods + 2.0 * (omega * s_n).sum(axis=-1) + _sum_pairs(w2 * gi * gj * t_n)
-        + _sum_pairs(w2 * geometric_sum(q_pair, b - 1) * (t_n + gni * gnj))
+        + _sum_pairs(w2 * g_period * (t_n + gni * gnj))
     )
     state_last = g * g_n                                         # S_{P-1}
-    ai, aj = _pairs(geometric_sum(leak_b, periods + 1))          # theta_i S_{P-1,i} + 1
-    last_part = (1.0 + (omega * state_last).sum(axis=-1)) ** 2 + _sum_pairs(
-        w2 * geometric_sum(q_pair, last_len - 1) * ai * aj
-    )
+    ai, aj = _pairs(a_last)                                      # theta_i S_{P-1,i} + 1 = G(a_i, P)
+    last_part = (1.0 + (omega * state_last).sum(axis=-1)) ** 2 + _sum_pairs(w2 * g_last * ai * aj)
     return periods_part + last_part
 
 

@@ -23,7 +23,8 @@ gradient; every function on the path is analytic and extended to complex input.
 
 Buffer-count policy: B grows from 1; each B starts from decays spread evenly in log(1 - x)
 between 1 and about 1/n (the shape of the optimal Toeplitz strategy, c_k ~ k^-1/2, written
-as a sum of exponentials). Growth stops when one more buffer lowers the loss by less than
+as a sum of exponentials); with several participations the loss has several basins, so a
+second start spread up to about b/n is also run and the better one kept. Growth stops when one more buffer lowers the loss by less than
 ``BUFFER_GAIN`` (relative) or at ``max_buffers``; the last count that did improve is returned.
 Each buffer costs d floats of training memory, so one that buys less than 0.01% of loss is not
 worth it. Counts are compared after a coarse optimization (stall tolerance 100x finer than
@@ -47,6 +48,7 @@ BUFFER_GAIN = 1e-4
 _STALL_WINDOW = 10
 _STEP = 1e-20  # complex-step size: exact to O(h^2), no subtraction
 _EXPLORE_STALL, _EXPLORE_ITERATIONS = 1e-6, 150
+_RACE_ITERATIONS = 25
 _POLISH_STALL, _POLISH_ITERATIONS = 1e-9, 300
 
 
@@ -121,12 +123,20 @@ def _loss(v, ctx: Participation, error: str, momentum: float, schedule):
         return np.log(sens2) + np.log(err)
 
 
-def _initial_free(num_buffers: int, n_steps: int) -> np.ndarray:
-    # 2B points evenly spaced in y = -log(1 - x) over (0, log(n) + 1]: decays from ~0 to ~1 - 1/(e n)
+def _initial_free(num_buffers: int, n_steps: int, top: float) -> np.ndarray:
+    # 2B points evenly spaced in y = -log(1 - x) over (0, top]: decays from ~0 to ~1 - e^-top
     y_max = max_log_complement(n_steps)
-    top = min(math.log(n_steps) + 1.0, 0.9 * y_max)
-    y = top * np.arange(1, 2 * num_buffers + 1) / (2 * num_buffers)
+    y = min(top, 0.9 * y_max) * np.arange(1, 2 * num_buffers + 1) / (2 * num_buffers)
     return np.log(np.diff(np.concatenate([[0.0], y, [y_max]])) / y_max)
+
+
+def _initial_tops(ctx: Participation) -> tuple:
+    """Longest initial decay time scales: the horizon, and for several participations also the
+    number of participation periods n / b (the loss is multimodal there; both are tried)."""
+    tops = (math.log(ctx.n_steps) + 1.0,)
+    if ctx.effective_participations > 1 and ctx.min_sep > 1:
+        tops += (math.log(ctx.n_steps / ctx.min_sep) + 2.0,)
+    return tops
 
 
 def _minimize(v0: np.ndarray, ctx, error, momentum, schedule, *, stall: float, max_iterations: int):
@@ -176,8 +186,13 @@ def optimize(
     # Explore buffer counts with a stall tolerance 100x finer than BUFFER_GAIN, then polish
     # the chosen count to the 9th digit of the loss.
     for num_buffers in range(1, max_buffers + 1):
-        v, loss = _minimize(_initial_free(num_buffers, ctx.n_steps), ctx, error, momentum, lr_schedule,
-                            stall=_EXPLORE_STALL, max_iterations=_EXPLORE_ITERATIONS)
+        starts = [_initial_free(num_buffers, ctx.n_steps, top) for top in _initial_tops(ctx)]
+        if len(starts) > 1:  # a short race between the starts, then only the leader continues
+            raced = [_minimize(v0, ctx, error, momentum, lr_schedule, stall=_EXPLORE_STALL,
+                               max_iterations=_RACE_ITERATIONS) for v0 in starts]
+            starts = [min(raced, key=lambda start: start[1])[0]]
+        v, loss = _minimize(starts[0], ctx, error, momentum, lr_schedule, stall=_EXPLORE_STALL,
+                            max_iterations=_EXPLORE_ITERATIONS)
         losses.append(math.exp(loss))
         if loss >= best_loss + math.log1p(-BUFFER_GAIN):
             break  # this buffer is not worth its memory: keep the smaller count
