@@ -28,7 +28,7 @@ second start spread up to about b/n is also run and the better one kept. Growth 
 ``BUFFER_GAIN`` (relative) or at ``max_buffers``; the last count that did improve is returned.
 Each buffer costs d floats of training memory, so one that buys less than 0.01% of loss is not
 worth it. Counts are compared after a coarse optimization (stall tolerance 100x finer than
-BUFFER_GAIN); the chosen count is then polished to about the 9th digit of the loss.
+BUFFER_GAIN); the chosen count is then polished to about the 8th digit of the loss.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ _STALL_WINDOW = 10
 _STEP = 1e-20  # complex-step size: exact to O(h^2), no subtraction
 _EXPLORE_STALL, _EXPLORE_ITERATIONS = 1e-6, 150
 _RACE_ITERATIONS = 25
-_POLISH_STALL, _POLISH_ITERATIONS = 1e-9, 300
+_POLISH_STALL, _POLISH_ITERATIONS = 1e-8, 150
 
 
 @dataclass(frozen=True)
