@@ -1,83 +1,135 @@
 """The ``opake`` command.
 
-``opake plan``: resolve the BLT strategy for a run's participation context and compare it with
-DP-SGD (the identity strategy) at the same noise multiplier. With no arguments it plans the
-seed's multi-epoch example (5000 steps, each unit at most 5 times, at least 100 steps apart).
+``opake plan``: resolve the strategies for a run's participation context, calibrate each to the
+same (epsilon, delta) without amplification, and compare their errors. With no arguments it plans
+the seed's multi-epoch example (5000 steps, each unit at most 5 times, at least 100 steps apart).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 
-from opake.dpftrl.noise import blt_strategy, identity_strategy
+from opake.plan import plan_run
+
+
+def _extra_strategies(max_buffers: int):
+    try:  # BandMF arrives with its own issue; list it when present
+        from opake.dpftrl.noise import band_mf_strategy
+    except ImportError:
+        return ()
+    return (("BandMF", band_mf_strategy(bands=max(2, 4 * max_buffers))),)
 
 
 def _plan(args) -> int:
-    strategy = blt_strategy(max_buffers=args.max_buffers, error=args.error)
     start = time.perf_counter()
-    mech = strategy.resolve(args.n_steps, args.min_sep, args.max_participations)
+    plan = plan_run(
+        args.n_steps, args.min_sep, args.max_participations, args.epsilon, args.delta,
+        max_buffers=args.max_buffers, error=args.error,
+        extra_strategies=_extra_strategies(args.max_buffers),
+    )
     seconds = time.perf_counter() - start
-    base = identity_strategy().resolve(args.n_steps, args.min_sep, args.max_participations)
-    rows = []
-    for name, m in (("BLT", mech), ("DP-SGD", base)):
-        rows.append({
-            "strategy": name,
-            "buffers": m.num_buffers,
-            "sensitivity": m.sensitivity,
-            "rmse_max": math.sqrt(m.max_loss),
-            "rmse_mean": math.sqrt(m.mean_loss),
-        })
+    ctx = plan.participation
+    blt_row = plan.rows[0]
     report = {
-        "context": {"n_steps": args.n_steps, "min_sep": args.min_sep,
-                    "max_participations": args.max_participations,
-                    "effective_participations": mech.participation.effective_participations},
-        "blt": {"theta": mech.theta.tolist(), "omega": mech.omega.tolist(),
-                "one_minus_theta": mech.one_minus_theta.tolist(), "resolve_seconds": seconds},
-        "strategies": rows,
+        "context": {"n_steps": ctx.n_steps, "min_sep": ctx.min_sep,
+                    "max_participations": ctx.max_participations,
+                    "effective_participations": ctx.effective_participations},
+        "budget": {"epsilon": plan.epsilon, "delta": plan.delta},
+        "blt": {"theta": blt_row.mechanism.theta.tolist(), "omega": blt_row.mechanism.omega.tolist(),
+                "one_minus_theta": blt_row.mechanism.one_minus_theta.tolist()},
+        "strategies": [
+            {"strategy": r.name, "noise_multiplier": r.noise_multiplier, "sensitivity": r.mechanism.sensitivity,
+             "epsilon": r.epsilon, "rmse_max": r.rmse_max, "rmse_mean": r.rmse_mean,
+             "state_bytes_per_parameter": r.state_bytes_per_parameter}
+            for r in plan.rows
+        ],
+        "seconds": seconds,
     }
+    if args.plot:
+        _plot(plan, args.plot)
+        report["plot"] = args.plot
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
-    ctx = report["context"]
-    print(f"Participation: n_steps={ctx['n_steps']}, min_sep={ctx['min_sep']}, "
-          f"max_participations={ctx['max_participations']} (k'={ctx['effective_participations']})")
-    print(f"BLT resolved in {seconds:.2f} s with {mech.num_buffers} buffers (error={args.error}):")
-    print(f"  {'i':>2} {'theta':>22} {'1 - theta':>12} {'omega':>12}")
+    print(f"Run: n_steps={ctx.n_steps}, min_sep={ctx.min_sep}, max_participations={ctx.max_participations} "
+          f"(k'={ctx.effective_participations}); budget epsilon={plan.epsilon:g}, delta={plan.delta:g}; "
+          "no amplification")
+    mech = blt_row.mechanism
+    print(f"\nBLT ({mech.num_buffers} buffers, error={args.error}):")
+    print(f"  {'i':>2} {'theta':>20} {'1 - theta':>12} {'omega':>12}")
     for i, (t, q, w) in enumerate(zip(mech.theta, mech.one_minus_theta, mech.omega)):
-        print(f"  {i:>2} {t:>22.17f} {q:>12.5e} {w:>12.5e}")
-    print()
-    print("Error of prefix sums per unit noise multiplier (RMSE = sensitivity x sqrt(error)):")
-    print(f"  {'strategy':<8} {'buffers':>7} {'sensitivity':>12} {'RMSE max':>10} {'RMSE mean':>10}")
-    for r in rows:
-        print(f"  {r['strategy']:<8} {r['buffers']:>7} {r['sensitivity']:>12.5f} {r['rmse_max']:>10.4f} {r['rmse_mean']:>10.4f}")
-    gain = rows[1]["rmse_max"] / rows[0]["rmse_max"]
-    print(f"\nAt equal privacy, BLT's worst-step RMSE is {gain:.2f}x lower than DP-SGD's.")
+        print(f"  {i:>2} {t:>20.15f} {q:>12.5e} {w:>12.5e}")
+    print("\nAt equal privacy (clip norm 1; RMSE of the prefix sums of the noise):")
+    header = f"  {'strategy':<8} {'noise mult.':>11} {'sensitivity':>11} {'epsilon':>8} {'RMSE max':>9} {'RMSE mean':>9} {'state B/param':>13}"
+    print(header)
+    for r in plan.rows:
+        print(f"  {r.name:<8} {r.noise_multiplier:>11.4f} {r.mechanism.sensitivity:>11.4f} {r.epsilon:>8.4f} "
+              f"{r.rmse_max:>9.3f} {r.rmse_mean:>9.3f} {r.state_bytes_per_parameter:>13d}")
+    dpsgd = plan.rows[-1]
+    print(f"\nBLT's worst-step RMSE is {dpsgd.rmse_max / blt_row.rmse_max:.2f}x lower than DP-SGD's "
+          f"(mean: {dpsgd.rmse_mean / blt_row.rmse_mean:.2f}x). Planned in {seconds:.2f} s.")
+    if args.plot:
+        print(f"Plot written to {args.plot}")
     return 0
+
+
+def _plot(plan, path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ValueError("--plot needs matplotlib: pip install matplotlib") from None
+    import numpy as np
+
+    from opake.dpftrl.noise import blt
+
+    n = plan.participation.n_steps
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    lags = np.arange(1, n)
+    for row in plan.rows:
+        mech = row.mechanism
+        c = mech.toeplitz_coefficients(n)
+        if np.any(c[1:] > 0):
+            left.loglog(lags, c[1:], label=row.name)
+        if mech.num_buffers:
+            rows_err = blt.per_query_errors(mech.params, n)
+        else:
+            rows_err = np.arange(1, n + 1, dtype=float)
+        right.plot(np.arange(n), row.noise_multiplier * np.sqrt(rows_err), label=row.name)
+    left.set(title="strategy coefficients c_k", xlabel="lag k")
+    right.set(title="RMSE of prefix sum at step t (equal privacy)", xlabel="step t")
+    for ax in (left, right):
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="opake", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command")
-    plan = sub.add_parser("plan", help="resolve and compare strategies for a run")
+    plan = sub.add_parser("plan", help="optimize, calibrate and compare strategies for a run")
     plan.add_argument("--n-steps", type=int, default=5000)
     plan.add_argument("--min-sep", type=int, default=100)
     plan.add_argument("--max-participations", type=int, default=5)
+    plan.add_argument("--epsilon", type=float, default=8.0)
+    plan.add_argument("--delta", type=float, default=1e-5)
     plan.add_argument("--max-buffers", type=int, default=10)
     plan.add_argument("--error", choices=("max", "mean"), default="max")
     plan.add_argument("--json", action="store_true", help="print one JSON object")
+    plan.add_argument("--plot", metavar="FILE.png", help="draw coefficients and per-step error (matplotlib)")
     plan.set_defaults(func=_plan)
     return parser
 
 
 def main(argv=None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.command is None:
-        args = parser.parse_args(["plan"] + list(argv or sys.argv[1:]))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(argv if argv and argv[0] in ("plan", "-h", "--help") else ["plan"] + argv)
     try:
         return args.func(args)
     except (ValueError, TypeError) as exc:

@@ -1,0 +1,371 @@
+"""Per-example gradient clipping: the first stage of a DP training step.
+
+:func:`clipped_grad` turns a loss of one example into ``grad_fn``, which computes every
+example's gradient (``torch.func.vmap`` over ``torch.func.grad``), scales each one so that its L2
+norm over all parameters together is at most ``clipping_norm``, sums them and divides the sum by
+``normalize_by``. The result is a :class:`~opake.types.ClippedPytree` carrying the bound, which
+is what the noise stage accepts::
+
+    grad_fn, clip_state = clipped_grad(loss_fn, clipping_norm=1.0, normalize_by=expected_batch_size)
+    for step in range(n_steps):
+        grads, clip_state = grad_fn(params, batch, state=clip_state)
+        noisy_grads, noise_state = noise_fn(grads, noise_state)
+
+Per-example convention (the ``torch.func`` one). ``grad_fn(params, *args)`` splits every
+argument listed in ``batch_argnums`` (positions in ``loss_fn``'s signature; ``params`` is
+position 0) along dimension 0 and calls ``loss_fn(params, *example_args)`` with ONE example,
+**without** the batch dimension: for ``x`` of shape ``(32, 3)``, ``loss_fn`` sees a ``(3,)``
+tensor. An argument may be a tensor or a tuple/list/dict of tensors (all split along dim 0).
+Arguments not listed are passed whole to every example. ``loss_fn`` returns a scalar tensor.
+
+A model that expects a batch dimension gets one back with ``unsqueeze(0)``; an ``nn.Module``
+is called functionally on plain parameter tensors::
+
+    >>> import torch
+    >>> from torch.func import functional_call
+    >>> from opake.dpftrl.clipping import clipped_grad
+    >>> model = torch.nn.Linear(3, 2)
+    >>> params = dict(model.named_parameters())
+    >>> def loss_fn(params, example):
+    ...     x, y = example                                 # x: (3,), y: () -- one example
+    ...     logits = functional_call(model, params, (x.unsqueeze(0),))
+    ...     return torch.nn.functional.cross_entropy(logits, y.unsqueeze(0))
+    >>> grad_fn, clip_state = clipped_grad(loss_fn, clipping_norm=1.0)
+    >>> batch = (torch.ones(8, 3), torch.zeros(8, dtype=torch.long))  # (inputs, labels)
+    >>> grads, clip_state = grad_fn(params, batch, state=clip_state)
+    >>> sorted(grads.pytree), grads.l2_bound, clip_state.examples
+    (['bias', 'weight'], 1.0, 8)
+
+Parameters may require grad (``dict(model.named_parameters())``): they are detached before the
+per-example transform, nothing is written to ``.grad`` and the model is never modified.
+
+Clipping arithmetic, small enough to check by hand (3-4-5 triangles): a gradient ``(3, 4)``
+has norm 5; with ``clipping_norm=5`` or more it is kept as is, with ``clipping_norm=1`` it
+becomes ``(0.6, 0.8)``. The scale factor is ``min(1, clipping_norm / norm)``: exactly 1 at or
+below the bound (a zero gradient is never divided by). Each leaf's norm is reduced
+in that leaf's dtype (float32 for half-precision leaves); the norms are combined and the scale
+computed in float64 (float32 on devices without float64). The bound therefore holds up to
+floating-point rounding (a few ulps of the gradients' dtype), as in every DP library.
+
+Non-finite gradients never leak into the sum. By default an example whose gradient holds a NaN
+or an infinity raises :class:`NonFiniteGradientError` naming the example and the parameter;
+with ``nonfinite="zero"`` such an example contributes zero and is counted in the state. A finite
+gradient whose norm overflows its dtype is clipped correctly (its norm is recomputed in float64
+with rescaling); only a float64 gradient with a norm beyond the float64 range counts as
+non-finite.
+
+Normalization: ``normalize_by`` must be a fixed number (for example the expected batch size
+of the sampler), never the realized batch size. Dividing by the realized size of a
+variable-size batch (balls-in-bins, Poisson) would change the sensitivity the noise is
+calibrated for.
+
+Each call returns a new :class:`ClipState` (counts of steps, examples, clipped and non-finite
+examples); the input state is never modified, so ``grad_fn`` is a pure function of
+``(params, batch, state)``. Reading those counts synchronizes with the device once per call.
+Randomness inside ``loss_fn`` (dropout) is refused by ``vmap``; put such layers in eval mode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import optree
+import torch
+from torch.func import grad, vmap
+
+from opake.types import ClippedPytree
+
+__all__ = ["ClipState", "LossShapeError", "NonFiniteGradientError", "clipped_grad"]
+
+NONFINITE_MODES = ("raise", "zero")
+_MAX_NAMED_EXAMPLES = 5
+
+
+class NonFiniteGradientError(RuntimeError):
+    """A per-example gradient held a NaN or an infinity (with ``nonfinite="raise"``)."""
+
+
+class LossShapeError(ValueError):
+    """``loss_fn`` did not return a real scalar tensor for one example."""
+
+
+@dataclass(frozen=True)
+class ClipState:
+    """Counts kept by ``grad_fn`` across calls (a frozen value; each call returns a new one).
+
+    ``steps``: calls so far. ``examples``: examples seen. ``clipped_examples``: examples whose
+    gradient norm exceeded ``clipping_norm`` and was scaled down. ``nonfinite_examples``:
+    examples whose gradient was not finite and was zeroed (``nonfinite="zero"`` only).
+    """
+
+    steps: int = 0
+    examples: int = 0
+    clipped_examples: int = 0
+    nonfinite_examples: int = 0
+
+    @property
+    def clipped_fraction(self) -> float:
+        """Fraction of the examples seen whose gradient was clipped (0.0 before any example)."""
+        return self.clipped_examples / self.examples if self.examples else 0.0
+
+
+def _positive_finite(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {value!r} ({type(value).__name__})")
+    value = float(value)
+    if not math.isfinite(value) or value <= 0.0:
+        raise ValueError(f"{name} must be finite and > 0, got {value!r}")
+    return value
+
+
+def _check_batch_argnums(batch_argnums) -> tuple[int, ...]:
+    if isinstance(batch_argnums, numbers.Integral) and not isinstance(batch_argnums, bool):
+        batch_argnums = (batch_argnums,)
+    if not isinstance(batch_argnums, Sequence) or isinstance(batch_argnums, str):
+        raise TypeError(
+            f"batch_argnums must be an int or a sequence of ints (positions in loss_fn's "
+            f"arguments, params is 0), got {batch_argnums!r}"
+        )
+    result = []
+    for position in batch_argnums:
+        if isinstance(position, bool) or not isinstance(position, numbers.Integral):
+            raise TypeError(f"batch_argnums must hold ints, got {position!r} ({type(position).__name__})")
+        if position < 1:
+            raise ValueError(
+                f"batch_argnums holds positions of loss_fn(params, *batch) arguments; position 0 is "
+                f"params, which is never split per example, and negative positions are not "
+                f"allowed; got {position}. Use 1 for the first argument after params"
+            )
+        result.append(int(position))
+    if not result:
+        raise ValueError("batch_argnums is empty: name at least one per-example argument, e.g. (1,)")
+    if len(set(result)) != len(result):
+        raise ValueError(f"batch_argnums has repeated positions: {tuple(result)}")
+    return tuple(sorted(result))
+
+
+def _leaf_name(path) -> str:
+    return "/".join(str(part) for part in path) or "<params>"
+
+
+def _checked_params(params):
+    """Params with every leaf detached (plain tensors for torch.func); leaves must be real floats."""
+    paths, leaves, spec = optree.tree_flatten_with_path(params)
+    if not leaves:
+        raise ValueError("params holds no tensors; pass a tensor or a dict/list/tuple of tensors")
+    for path, leaf in zip(paths, leaves):
+        if not isinstance(leaf, torch.Tensor):
+            raise TypeError(
+                f"params leaves must be torch.Tensor; the leaf at {_leaf_name(path)!r} is "
+                f"{type(leaf).__name__}. For an nn.Module pass dict(model.named_parameters())"
+            )
+        if not leaf.dtype.is_floating_point:
+            raise TypeError(
+                f"params leaf {_leaf_name(path)!r} has dtype {leaf.dtype}; gradients need real "
+                f"floating-point parameters. Pass integer or frozen tensors as a non-batched argument"
+            )
+    return optree.tree_unflatten(spec, [leaf.detach() for leaf in leaves])
+
+
+def _batch_size(args, batch_argnums) -> int:
+    sizes = {}
+    for position in batch_argnums:
+        paths, leaves, _ = optree.tree_flatten_with_path(args[position - 1])
+        if not leaves:
+            raise ValueError(
+                f"per-example argument {position} holds no tensors; it cannot be split into examples"
+            )
+        for path, leaf in zip(paths, leaves):
+            where = f"argument {position}" + (f" at {_leaf_name(path)!r}" if path else "")
+            if not isinstance(leaf, torch.Tensor):
+                raise TypeError(
+                    f"per-example {where} is {type(leaf).__name__}, not a tensor; pass constants "
+                    f"in an argument that is not listed in batch_argnums"
+                )
+            if leaf.dim() == 0:
+                raise ValueError(
+                    f"per-example {where} is a 0-dim tensor; per-example arguments are split "
+                    f"along dim 0, so they need a leading batch dimension"
+                )
+            sizes[where] = leaf.shape[0]
+    if len(set(sizes.values())) > 1:
+        listed = ", ".join(f"{where}: {size}" for where, size in sizes.items())
+        raise ValueError(f"per-example arguments disagree on the batch size (dim 0): {listed}")
+    return next(iter(sizes.values()))
+
+
+def _compute_dtype(device: torch.device) -> torch.dtype:
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
+def _leaf_norms(flat_leaves, device, compute_dtype) -> torch.Tensor:
+    """(B, L) per-example, per-leaf L2 norms, each reduced in its leaf's dtype (>= float32)."""
+    columns = []
+    for flat in flat_leaves:
+        reduce_dtype = flat.dtype if flat.dtype in (torch.float32, torch.float64) else torch.float32
+        norm = torch.linalg.vector_norm(flat, dim=1, dtype=reduce_dtype)
+        columns.append(norm.to(device=device, dtype=compute_dtype))
+    return torch.stack(columns, dim=1)
+
+
+def _rescaled_norms(flat_leaves, rows: list[int], device, dtype) -> torch.Tensor:
+    """Global norms (in ``dtype``) of the examples ``rows``, safe from overflow (max-abs rescaling).
+
+    NaN where an element is NaN; inf where an element is infinite or the norm exceeds ``dtype``.
+    """
+    parts = [
+        flat[torch.tensor(rows, device=flat.device)].to(device=device, dtype=dtype) for flat in flat_leaves
+    ]
+    largest = torch.zeros(len(rows), dtype=dtype, device=device)
+    for part in parts:
+        if part.shape[1]:
+            largest = torch.maximum(largest, part.abs().amax(dim=1))  # NaN and inf propagate
+    safe = torch.where(torch.isfinite(largest) & (largest > 0), largest, torch.ones_like(largest))
+    squares = sum(torch.linalg.vector_norm(part / safe[:, None], dim=1) ** 2 for part in parts)
+    return safe * torch.sqrt(squares)
+
+
+def _nonfinite_message(flat_leaves, paths, bad: list[int], batch_size: int) -> str:
+    first = bad[0]
+    leaves_hit = [
+        _leaf_name(path)
+        for path, flat in zip(paths, flat_leaves)
+        if not bool(torch.isfinite(flat[first]).all())
+    ]
+    shown = ", ".join(str(index) for index in bad[:_MAX_NAMED_EXAMPLES])
+    more = f" and {len(bad) - _MAX_NAMED_EXAMPLES} more" if len(bad) > _MAX_NAMED_EXAMPLES else ""
+    if leaves_hit:
+        where = "in " + ", ".join(repr(name) for name in leaves_hit)
+    else:
+        where = "(its norm overflows float64)"
+    return (
+        f"the per-example gradient of example {first} (index in this batch of {batch_size}) is not "
+        f"finite {where}; non-finite examples: {shown}{more}. Find the cause (learning rate, loss "
+        f"on that input), or pass nonfinite='zero' to clipped_grad to drop such examples from the "
+        f"sum (they are counted in ClipState.nonfinite_examples)"
+    )
+
+
+def clipped_grad(
+    loss_fn: Callable,
+    clipping_norm: float,
+    batch_argnums: int | Sequence[int] = (1,),
+    normalize_by: float | None = None,
+    *,
+    nonfinite: str = "raise",
+):
+    """Build ``grad_fn``: clipped, summed (and normalized) per-example gradients.
+
+    Args:
+      loss_fn: ``loss_fn(params, *args) -> scalar tensor``, the loss of ONE example. The
+        arguments at ``batch_argnums`` arrive as one example without the batch dimension
+        (see the module docstring); the others arrive whole.
+      clipping_norm: L2 bound C (> 0, finite) on each example's gradient, over all
+        parameters together.
+      batch_argnums: positions (in ``loss_fn``'s arguments; params is 0) of the per-example
+        arguments, split along dim 0. Default ``(1,)``: one batch argument, which may be a
+        tuple or dict of tensors such as ``(inputs, labels)``.
+      normalize_by: fixed divisor of the sum (> 0, finite), e.g. the expected batch size; None
+        for a plain sum.
+      nonfinite: ``"raise"`` (default) raises :class:`NonFiniteGradientError` when an example's
+        gradient holds NaN or inf; ``"zero"`` drops that example from the sum and counts it.
+
+    Returns:
+      ``(grad_fn, clip_state)``. ``grad_fn(params, *args, state=clip_state)`` returns
+      ``(ClippedPytree, new_state)``: the pytree has the structure, dtypes and device of
+      ``params``; ``l2_bound == clipping_norm``; ``normalization == normalize_by or 1.0``.
+      A batch of size 0 gives zeros (``loss_fn`` is not called).
+    """
+    if not callable(loss_fn):
+        raise TypeError(
+            f"loss_fn must be callable as loss_fn(params, *batch), got {type(loss_fn).__name__}"
+        )
+    clipping_norm = _positive_finite("clipping_norm", clipping_norm)
+    normalization = 1.0 if normalize_by is None else _positive_finite("normalize_by", normalize_by)
+    batch_argnums = _check_batch_argnums(batch_argnums)
+    if nonfinite not in NONFINITE_MODES:
+        raise ValueError(f"nonfinite must be one of {NONFINITE_MODES}, got {nonfinite!r}")
+
+    def example_loss(params, *args):
+        loss = loss_fn(params, *args)
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.dtype.is_floating_point:
+            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise LossShapeError(
+                f"loss_fn must return a real scalar (0-dim) tensor for one example, got {shape}; "
+                f"it receives one example without the batch dimension. Reduce the loss to a "
+                f"scalar (e.g. .sum() or .mean()), or add the dimension back with unsqueeze(0)"
+            )
+        return loss
+
+    per_example_grad = grad(example_loss, argnums=0)
+
+    def grad_fn(params, *args, state: ClipState):
+        if not isinstance(state, ClipState):
+            raise TypeError(
+                f"state must be the ClipState returned by clipped_grad or by the previous call, "
+                f"got {type(state).__name__}"
+            )
+        last = batch_argnums[-1]
+        if last > len(args):
+            raise ValueError(
+                f"batch_argnums {batch_argnums} refers to argument {last} of loss_fn, but grad_fn "
+                f"got only {len(args)} argument(s) after params"
+            )
+        params = _checked_params(params)
+        batch_size = _batch_size(args, batch_argnums)
+        if batch_size == 0:
+            zeros = optree.tree_map(torch.zeros_like, params)
+            new_state = dataclasses.replace(state, steps=state.steps + 1)
+            return ClippedPytree(zeros, clipping_norm, normalization), new_state
+
+        in_dims = (None,) + tuple(
+            0 if position in batch_argnums else None for position in range(1, len(args) + 1)
+        )
+        per_example = vmap(per_example_grad, in_dims=in_dims)(params, *args)
+        paths, leaves, spec = optree.tree_flatten_with_path(per_example)
+        flat_leaves = [leaf.reshape(batch_size, math.prod(leaf.shape[1:])) for leaf in leaves]
+        device = flat_leaves[0].device
+        compute_dtype = _compute_dtype(device)
+
+        norms = torch.linalg.vector_norm(_leaf_norms(flat_leaves, device, compute_dtype), dim=1)
+        finite = torch.isfinite(norms)
+        suspect = torch.nonzero(~finite).flatten().tolist()  # synchronizes; usually empty
+        if suspect:
+            # A leaf norm overflowed its dtype, or an element is NaN/inf: recompute with rescaling.
+            rows = torch.tensor(suspect, device=device)
+            norms = norms.index_put((rows,), _rescaled_norms(flat_leaves, suspect, device, compute_dtype))
+            finite = torch.isfinite(norms)
+            bad = torch.nonzero(~finite).flatten().tolist()
+            if bad and nonfinite == "raise":
+                raise NonFiniteGradientError(_nonfinite_message(flat_leaves, paths, bad, batch_size))
+            if bad:
+                keep = finite[:, None]
+                flat_leaves = [
+                    torch.where(keep.to(flat.device), flat, torch.zeros_like(flat)) for flat in flat_leaves
+                ]
+        else:
+            bad = []
+
+        # Scale min(1, C / norm): exactly 1 at or below the bound, 0 for a dropped example.
+        clipped = finite & (norms > clipping_norm)
+        bound = torch.full_like(norms, clipping_norm)
+        scale = torch.where(clipped, bound / torch.where(clipped, norms, bound), torch.ones_like(norms))
+        scale = torch.where(finite, scale, torch.zeros_like(scale)) / normalization
+        sums = [
+            torch.mv(flat.t(), scale.to(device=flat.device, dtype=flat.dtype)).reshape(leaf.shape[1:])
+            for flat, leaf in zip(flat_leaves, leaves)
+        ]
+        num_clipped = int(clipped.sum())
+        new_state = ClipState(
+            steps=state.steps + 1,
+            examples=state.examples + batch_size,
+            clipped_examples=state.clipped_examples + num_clipped,
+            nonfinite_examples=state.nonfinite_examples + len(bad),
+        )
+        return ClippedPytree(optree.tree_unflatten(spec, sums), clipping_norm, normalization), new_state
+
+    return grad_fn, ClipState()

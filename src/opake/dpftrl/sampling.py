@@ -1,0 +1,373 @@
+"""Samplers that guarantee the participation pattern the accounting assumes.
+
+A sampler decides which examples (indices ``0 .. num_examples - 1``) form the batch of each
+step. ``sampler.batch(step)`` returns a sorted int64 tensor of indices; ``sampler.steps(n)``
+iterates over the batches of steps ``0 .. n - 1``; ``sampler.participation(n)`` is the
+:class:`~opake.dpftrl.participation.Participation` ``(n_steps, min_sep, max_participations)``
+that holds for EVERY example whatever the random draws, ready for the noise engine and the
+accountant::
+
+    sampler = BallsInBinsSampler(num_examples=len(data), num_bins=100, key=opake.random.key(1))
+    context = sampler.participation(n_steps)   # give the same values to mf_gaussian_noise
+    for step, indices in enumerate(sampler.steps(n_steps)):
+        grads, clip_state = grad_fn(params, data[indices], state=clip_state)
+
+=======================  =================  ==========================  =====================
+sampler                  batch of step t    min_sep                     max_participations
+=======================  =================  ==========================  =====================
+BallsInBinsSampler       bin t mod b        num_bins                    ceil(n / num_bins)
+BMinSepSampler           group t mod G      min_sep (actual gap G)      ceil(n / G)
+CyclicPoissonSampler     Poisson(q) subset  num_groups                  ceil(n / num_groups)
+                         of group t mod b
+=======================  =================  ==========================  =====================
+
+Randomness. Every draw is a function of the sampler's :class:`~opake.random.RngKey` (a
+required argument; no sampler picks a seed) through ``key.derive_bytes``: SHAKE-256 output read
+as little-endian 64-bit words. Batches are therefore identical in every process, on every
+machine and with every numpy/torch version, which matters for a run resumed from a checkpoint:
+a bin assignment that changed on resume would break the separation the accounting relies on.
+Uniform integers use rejection sampling (exactly uniform); a Bernoulli(q) draw includes an
+example when its word is below ``floor(q * 2**64)``, so the inclusion probability is ``q``
+exactly for ``q >= 2**-12`` and otherwise below ``q`` by less than ``2**-64`` (never above);
+random orders sort 64-bit words (uniform up to ties, probability below ``N**2 / 2**65``).
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from opake.dpftrl.participation import Participation
+from opake.random import RngKey
+
+__all__ = ["BMinSepSampler", "BallsInBinsSampler", "CyclicPoissonSampler"]
+
+_DOMAIN = "opake.dpftrl.sampling"
+_WORDS_PER_CHUNK = 1 << 16  # 512 KiB of hash output per derivation
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation
+
+
+def _integer(name: str, value, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
+    value = int(value)
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def _check_key(value) -> RngKey:
+    if not isinstance(value, RngKey):
+        raise TypeError(
+            f"key must be an opake.random.RngKey, got {value!r} ({type(value).__name__}); make "
+            f"one with opake.random.key(seed) from an explicit integer seed (samplers never "
+            f"choose a seed themselves)"
+        )
+    return value
+
+
+def _check_at_most(name: str, value: int, bound_name: str, bound: int, advice: str) -> None:
+    if value > bound:
+        raise ValueError(f"{name} ({value}) must be <= {bound_name} ({bound}); {advice}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Key-derived draws (pure functions of the key and the parts named)
+
+
+def _random_words(key: RngKey, parts: tuple, count: int) -> np.ndarray:
+    """``count`` uint64 words determined by ``(key, parts)``; chunk c is derived from (*parts, c)."""
+    derive = key.deriver(_DOMAIN)
+    chunks = [
+        np.frombuffer(derive((*parts, index), 8 * min(_WORDS_PER_CHUNK, count - start)), dtype="<u8")
+        for index, start in enumerate(range(0, count, _WORDS_PER_CHUNK))
+    ]
+    if not chunks:
+        return np.zeros(0, dtype=np.uint64)
+    return np.concatenate(chunks).astype(np.uint64)
+
+
+def _uniform_below(key: RngKey, parts: tuple, count: int, bound: int) -> np.ndarray:
+    """``count`` independent integers, each exactly uniform on ``0 .. bound - 1`` (int64).
+
+    Rejection sampling: a word is accepted when it is below the largest multiple of ``bound``
+    that fits in 64 bits, and then reduced modulo ``bound``; rejected positions are redrawn from
+    fresh words (derived from ``(*parts, "redraw", attempt)``) until all are accepted.
+    """
+    limit = (1 << 64) - (1 << 64) % bound  # words < limit are accepted; 2**64 when bound is a power of 2
+    words = _random_words(key, parts, count)
+    result = (words % np.uint64(bound)).astype(np.int64)
+    pending = np.flatnonzero(words >= np.uint64(limit)) if limit < (1 << 64) else np.zeros(0, dtype=np.int64)
+    attempt = 0
+    while pending.size:
+        attempt += 1
+        words = _random_words(key, (*parts, "redraw", attempt), pending.size)
+        accepted = words < np.uint64(limit)
+        result[pending[accepted]] = (words[accepted] % np.uint64(bound)).astype(np.int64)
+        pending = pending[~accepted]
+    return result
+
+
+def _random_order(key: RngKey, parts: tuple, count: int) -> np.ndarray:
+    """A random permutation of ``0 .. count - 1`` (int64): indices sorted by key-derived words."""
+    return np.argsort(_random_words(key, parts, count), kind="stable").astype(np.int64)
+
+
+def _bernoulli(key: RngKey, parts: tuple, count: int, probability: float) -> np.ndarray:
+    """``count`` independent booleans, True with probability floor(probability * 2**64) / 2**64."""
+    if probability >= 1.0:
+        return np.ones(count, dtype=bool)
+    threshold = int(probability * 2.0**64)  # exact: scaling by a power of two, then truncation
+    return _random_words(key, parts, count) < np.uint64(threshold)
+
+
+def _as_index_tensor(indices: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.array(indices, dtype=np.int64, copy=True))
+
+
+def _frozen(array: np.ndarray) -> np.ndarray:
+    array.setflags(write=False)
+    return array
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared behaviour
+
+
+class _CyclicSampler:
+    """Common API of samplers whose step t is served from block ``t mod period`` of a fixed split."""
+
+    def _period(self) -> int:  # number of steps before the blocks repeat
+        raise NotImplementedError
+
+    def _min_sep(self) -> int:
+        raise NotImplementedError
+
+    def batch(self, step: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def steps(self, n_steps: int) -> Iterator[torch.Tensor]:
+        """Iterate over the batches of steps ``0 .. n_steps - 1`` (each ``batch(step)``)."""
+        n_steps = _integer("n_steps", n_steps, 1)
+        return (self.batch(step) for step in range(n_steps))
+
+    def participation(self, n_steps: int) -> Participation:
+        """The participation every example is guaranteed to respect over ``n_steps`` steps.
+
+        ``max_participations = ceil(n_steps / period)``: block ``t mod period`` is served at
+        most that many times. Raises ValueError unless 1 <= min_sep <= n_steps.
+        """
+        n_steps = _integer("n_steps", n_steps, 1)
+        min_sep = self._min_sep()
+        if min_sep > n_steps:
+            raise ValueError(
+                f"n_steps ({n_steps}) must be >= min_sep ({min_sep}) of this {type(self).__name__}: "
+                f"with fewer steps some bins/groups are never processed. Train for at least "
+                f"{min_sep} steps or use fewer bins/groups"
+            )
+        return Participation(n_steps, min_sep=min_sep, max_participations=-(-n_steps // self._period()))
+
+    @staticmethod
+    def _step(step) -> int:
+        return _integer("step", step, 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Samplers
+
+
+@dataclass(frozen=True)
+class BallsInBinsSampler(_CyclicSampler):
+    """Each example in one uniformly random bin for the whole run; bins served cyclically.
+
+    Once, at construction, every example is put in one of ``num_bins`` bins, independently and
+    uniformly at random (from ``key``). Step t's batch is bin ``t mod num_bins``. This is the
+    scheme ``opake.dpftrl.accounting.balls_in_bins(inner, num_bins, n_steps)`` prices.
+
+    Guarantee (for every example and every draw): it appears only at steps ``t = j mod
+    num_bins`` for its bin j, so any two appearances are exactly ``num_bins`` steps apart (a
+    multiple of it) and there are at most ``ceil(n_steps / num_bins)`` of them:
+    ``participation(n_steps) == Participation(n_steps, num_bins, ceil(n_steps / num_bins))``.
+
+    Batch sizes vary: a bin holds Binomial(num_examples, 1 / num_bins) examples and may be
+    empty (``batch`` then returns an empty tensor; ``clipped_grad`` handles it). Normalize the
+    gradient sum by the expected size ``num_examples / num_bins``, not by the realized size.
+    ``num_bins`` must be at most ``num_examples``: with more bins than examples some bins are
+    certainly empty, which is almost always a mistake (swapped arguments).
+    """
+
+    num_examples: int
+    num_bins: int
+    key: RngKey
+    _order: np.ndarray = field(init=False, repr=False, compare=False)
+    _offsets: np.ndarray = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        num_examples = _integer("num_examples", self.num_examples, 1)
+        num_bins = _integer("num_bins", self.num_bins, 1)
+        _check_at_most("num_bins", num_bins, "num_examples", num_examples, "use at most one bin per example")
+        key = _check_key(self.key)
+        bins = _uniform_below(key, ("balls_in_bins", num_examples, num_bins), num_examples, num_bins)
+        order = np.argsort(bins, kind="stable")  # grouped by bin, indices ascending within a bin
+        offsets = np.concatenate([[0], np.cumsum(np.bincount(bins, minlength=num_bins))])
+        for name, value in (("num_examples", num_examples), ("num_bins", num_bins),
+                            ("_order", _frozen(order.astype(np.int64))), ("_offsets", _frozen(offsets))):
+            object.__setattr__(self, name, value)
+
+    def _period(self) -> int:
+        return self.num_bins
+
+    def _min_sep(self) -> int:
+        return self.num_bins
+
+    @property
+    def expected_batch_size(self) -> float:
+        """num_examples / num_bins: a fixed ``normalize_by`` for ``clipped_grad``."""
+        return self.num_examples / self.num_bins
+
+    def batch(self, step: int) -> torch.Tensor:
+        """Indices (int64, ascending) of the examples in bin ``step mod num_bins``."""
+        bin_index = self._step(step) % self.num_bins
+        return _as_index_tensor(self._order[self._offsets[bin_index]:self._offsets[bin_index + 1]])
+
+
+@dataclass(frozen=True)
+class BMinSepSampler(_CyclicSampler):
+    """Fixed batches of exactly ``batch_size``, cycled, so appearances are >= ``min_sep`` apart.
+
+    Once, at construction, the examples are put in a random order (from ``key``) and cut into
+    ``num_batches = num_examples // batch_size`` batches of ``batch_size``; the remaining
+    ``num_examples % batch_size`` examples (``unused_examples``, chosen at random once) are
+    never sampled. Step t's batch is batch ``t mod num_batches``, every "epoch" in the same
+    order. ``num_batches >= min_sep`` is required.
+
+    Guarantee (for every example and every draw): an example appears only at steps
+    ``t = j mod num_batches`` for its batch j, so any two appearances are a positive multiple
+    of ``num_batches >= min_sep`` steps apart, and it appears at most
+    ``ceil(n_steps / num_batches)`` times:
+    ``participation(n_steps) == Participation(n_steps, min_sep, ceil(n_steps / num_batches))``.
+    The stated ``min_sep`` is the one you asked for (so it matches a strategy optimized for it);
+    the actual separation ``num_batches`` may be larger.
+
+    Why no reshuffling: shuffling each epoch independently can put an example at the end of one
+    epoch and the start of the next (separation 1). Drawing a random subset of ``batch_size``
+    from group ``t mod min_sep`` at each step would keep the separation but the bound would have
+    to count every visit of the group, ``ceil(n_steps / min_sep)`` participations, more than
+    ``ceil(n_steps / num_batches)`` here for the same batch size.
+    """
+
+    num_examples: int
+    batch_size: int
+    min_sep: int
+    key: RngKey
+    _batches: np.ndarray = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        num_examples = _integer("num_examples", self.num_examples, 1)
+        batch_size = _integer("batch_size", self.batch_size, 1)
+        min_sep = _integer("min_sep", self.min_sep, 1)
+        _check_at_most("batch_size", batch_size, "num_examples", num_examples, "use a smaller batch_size")
+        num_batches = num_examples // batch_size
+        if num_batches < min_sep:
+            raise ValueError(
+                f"min_sep ({min_sep}) needs at least {min_sep} disjoint batches, but {num_examples} "
+                f"examples make only {num_batches} batches of {batch_size}; use batch_size <= "
+                f"{num_examples // min_sep} or min_sep <= {num_batches}"
+            )
+        key = _check_key(self.key)
+        order = _random_order(key, ("b_min_sep", num_examples, batch_size), num_examples)
+        batches = np.sort(order[: num_batches * batch_size].reshape(num_batches, batch_size), axis=1)
+        for name, value in (("num_examples", num_examples), ("batch_size", batch_size),
+                            ("min_sep", min_sep), ("_batches", _frozen(batches))):
+            object.__setattr__(self, name, value)
+
+    @property
+    def num_batches(self) -> int:
+        """Distinct batches, served cyclically: the actual separation between appearances."""
+        return self._batches.shape[0]
+
+    @property
+    def unused_examples(self) -> int:
+        """num_examples % batch_size examples that are never sampled."""
+        return self.num_examples - self._batches.size
+
+    def _period(self) -> int:
+        return self.num_batches
+
+    def _min_sep(self) -> int:
+        return self.min_sep
+
+    def batch(self, step: int) -> torch.Tensor:
+        """Indices (int64, ascending, exactly ``batch_size``) of batch ``step mod num_batches``."""
+        return _as_index_tensor(self._batches[self._step(step) % self.num_batches])
+
+
+@dataclass(frozen=True)
+class CyclicPoissonSampler(_CyclicSampler):
+    """Fixed groups served cyclically, each Poisson-sampled when served (Band23 Thm 4).
+
+    Once, at construction, the examples are put in a random order (from ``key``) and cut into
+    ``num_groups`` groups whose sizes differ by at most one. At step t, each member of group
+    ``t mod num_groups`` is included independently with probability ``sample_rate``, with fresh
+    randomness derived from ``(key, t)``: ``batch(step)`` is a pure function of the key and the
+    step. Batch sizes vary (expected ``num_examples * sample_rate / num_groups``).
+
+    Guarantee (for every example and every draw): an example can appear only at steps
+    ``t = g mod num_groups`` for its group g, so any two appearances are a positive multiple of
+    ``num_groups`` apart, at most ``ceil(n_steps / num_groups)`` of them:
+    ``participation(n_steps) == Participation(n_steps, num_groups, ceil(n_steps / num_groups))``.
+    The Poisson amplification of Band23 Thm 4 (``opake.dpftrl.accounting.poisson``) applies to
+    banded strategies (BandMF, identity) only, not to a BLT.
+    """
+
+    num_examples: int
+    num_groups: int
+    sample_rate: float
+    key: RngKey
+    _groups: tuple = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        num_examples = _integer("num_examples", self.num_examples, 1)
+        num_groups = _integer("num_groups", self.num_groups, 1)
+        _check_at_most("num_groups", num_groups, "num_examples", num_examples, "every group needs an example")
+        rate = self.sample_rate
+        if isinstance(rate, bool) or not isinstance(rate, numbers.Real):
+            raise TypeError(f"sample_rate must be a real number, got {rate!r} ({type(rate).__name__})")
+        rate = float(rate)
+        if not (0.0 < rate <= 1.0):
+            raise ValueError(f"sample_rate must be in (0, 1], got {rate!r}")
+        key = _check_key(self.key)
+        order = _random_order(key, ("cyclic_poisson.groups", num_examples, num_groups), num_examples)
+        groups = tuple(_frozen(np.sort(group)) for group in np.array_split(order, num_groups))
+        for name, value in (("num_examples", num_examples), ("num_groups", num_groups),
+                            ("sample_rate", rate), ("_groups", groups)):
+            object.__setattr__(self, name, value)
+
+    @property
+    def expected_batch_size(self) -> float:
+        """num_examples * sample_rate / num_groups: a fixed ``normalize_by`` for ``clipped_grad``."""
+        return self.num_examples * self.sample_rate / self.num_groups
+
+    def _period(self) -> int:
+        return self.num_groups
+
+    def _min_sep(self) -> int:
+        return self.num_groups
+
+    def group(self, step: int) -> torch.Tensor:
+        """All members (int64, ascending) of group ``step mod num_groups``, sampled or not."""
+        return _as_index_tensor(self._groups[self._step(step) % self.num_groups])
+
+    def batch(self, step: int) -> torch.Tensor:
+        """Indices (int64, ascending) of the members of group ``step mod num_groups`` drawn at ``step``."""
+        step = self._step(step)
+        members = self._groups[step % self.num_groups]
+        parts = ("cyclic_poisson.step", self.num_examples, self.num_groups, step)
+        return _as_index_tensor(members[_bernoulli(self.key, parts, members.size, self.sample_rate)])

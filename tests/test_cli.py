@@ -1,0 +1,55 @@
+"""The opake command: plan output checked against independent accounting references."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import dp_accounting
+import pytest
+
+from opake.cli import main
+
+
+def _plan_json(capsys, *args):
+    assert main(["plan", "--json", *args]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_plan_calibrates_every_strategy_to_the_budget(capsys):
+    report = _plan_json(capsys, "--n-steps", "300", "--min-sep", "30", "--max-participations", "4",
+                        "--epsilon", "2.0", "--delta", "1e-6", "--max-buffers", "3")
+    rows = {r["strategy"]: r for r in report["strategies"]}
+    assert set(rows) >= {"BLT", "DP-SGD"}
+    # The whole run is one Gaussian with noise multiplier sigma / S (MATH.md section 6), so at
+    # equal (epsilon, delta) sigma / S is the same for every strategy and equals the Gaussian
+    # mechanism's noise multiplier, here from dp_accounting (an independent implementation).
+    sigma_eff = dp_accounting.get_sigma_gaussian(2.0, 1e-6)
+    for row in rows.values():
+        assert row["epsilon"] <= 2.0
+        assert row["noise_multiplier"] / row["sensitivity"] == pytest.approx(sigma_eff, rel=1e-5)
+    assert rows["DP-SGD"]["sensitivity"] == pytest.approx(2.0)  # sqrt(k'), k' = 4
+    assert rows["DP-SGD"]["rmse_max"] == pytest.approx(rows["DP-SGD"]["noise_multiplier"] * math.sqrt(300), rel=1e-12)
+    assert rows["BLT"]["rmse_max"] < rows["DP-SGD"]["rmse_max"]
+    assert rows["BLT"]["state_bytes_per_parameter"] == 4 * len(report["blt"]["theta"])
+
+
+def test_plan_defaults_to_the_seed_example(capsys):
+    assert main([]) == 0
+    out = capsys.readouterr().out
+    assert "n_steps=5000, min_sep=100, max_participations=5" in out
+    assert "DP-SGD" in out and "BLT" in out
+
+
+def test_bad_input_is_a_clear_error(capsys):
+    assert main(["plan", "--min-sep", "6000"]) == 2
+    err = capsys.readouterr().err
+    assert "min_sep" in err and "n_steps" in err
+
+
+def test_plot(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "plan.png"
+    assert main(["plan", "--n-steps", "200", "--min-sep", "20", "--max-participations", "2",
+                 "--max-buffers", "2", "--plot", str(path)]) == 0
+    assert path.stat().st_size > 1000
