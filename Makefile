@@ -3,27 +3,31 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test setup bench clean
+.PHONY: demo plan test setup bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch is pinned here (a CPU wheel lies on the machine's disk); the library itself asks only torch>=2.4
 	$(PY) -m pip install --quiet "torch==2.13.0"
-	$(PY) -m pip install --quiet -e ".[test]"
+	$(PY) -m pip install --quiet -e ".[test,demo]"
 	touch $@
 
 setup: $(VENV)/.installed
 
-# Until `opake demo` exists (training front-end issue), the main job plans the seed's multi-epoch run.
 demo: $(VENV)/.installed
-	$(VENV)/bin/opake plan
+	$(VENV)/bin/opake demo
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q
 
+plan: $(VENV)/.installed
+	$(VENV)/bin/opake plan
+
 bench: $(VENV)/.installed
 	$(PY) benchmarks/blt_resolve.py
+	$(PY) benchmarks/noise_engine.py --quick
+	$(PY) benchmarks/accounting.py
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info

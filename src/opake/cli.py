@@ -1,5 +1,8 @@
 """The ``opake`` command.
 
+``opake demo``: train a small classifier on bundled data with BLT and with DP-SGD at the same
+epsilon (see ``opake.demo``).
+
 ``opake plan``: resolve the strategies for a run's participation context, calibrate each to the
 same (epsilon, delta) without amplification, and compare their errors. With no arguments it plans
 the seed's multi-epoch example (5000 steps, each unit at most 5 times, at least 100 steps apart).
@@ -123,13 +126,22 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true", help="print one JSON object")
     plan.add_argument("--plot", metavar="FILE.png", help="draw coefficients and per-step error (matplotlib)")
     plan.set_defaults(func=_plan)
+    demo = sub.add_parser("demo", help="train a small model with BLT and with DP-SGD at the same epsilon")
+    demo.add_argument("--epsilon", type=float, default=3.0)
+    demo.set_defaults(func=_demo)
     return parser
+
+
+def _demo(args) -> int:
+    from opake.demo import DemoSettings, main as demo_main
+
+    return demo_main(DemoSettings(epsilon=args.epsilon))
 
 
 def main(argv=None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = parser.parse_args(argv if argv and argv[0] in ("plan", "-h", "--help") else ["plan"] + argv)
+    args = parser.parse_args(argv if argv and argv[0] in ("plan", "demo", "-h", "--help") else ["plan"] + argv)
     try:
         return args.func(args)
     except (ValueError, TypeError) as exc:
