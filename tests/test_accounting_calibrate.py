@@ -5,7 +5,6 @@ and the definition itself (param meets the budget, param / (1 + rtol) does not).
 """
 
 import math
-import time
 
 import dp_accounting
 import pytest
@@ -58,14 +57,6 @@ def test_generic_process_factory_with_a_scaled_parameter():
     # A process whose noise multiplier is param / 3 (e.g. sensitivity 3): the answer scales by 3.
     result = acc.calibrate(acc.epsilon_budget(1.0, 1e-6), lambda p: acc.gaussian(p / 3.0), 0.1, 100.0)
     assert result.param == pytest.approx(3 * dp_accounting.get_sigma_gaussian(1.0, 1e-6), rel=2e-6)
-
-
-def test_calibration_is_fast():
-    budget = acc.epsilon_budget(2.0, 1e-5)
-    start = time.perf_counter()
-    for _ in range(10):
-        acc.calibrate(budget, acc.gaussian, 0.1, 10.0)
-    assert (time.perf_counter() - start) / 10 < 0.05
 
 
 def test_unreachable_budget_names_param_max():

@@ -5,8 +5,6 @@ The example uses a ``noise_multiplier`` defined earlier on the page; here it com
 The BLT resolutions take the optimizer's time (cached afterwards), hence the slow mark.
 """
 
-import time
-
 import dp_accounting
 import pytest
 
@@ -46,9 +44,7 @@ def test_seed_privacy_accounting_example_runs_as_written():
         return dpftrl_acc.mf_gaussian(sigma, strategy, n_steps=5000, min_sep=100, max_participations=5)
 
     factory(1.0)  # resolve (optimizer) once; calibration then reuses the cached mechanism
-    start = time.perf_counter()
-    calibrated = acc.calibrate(budget, factory, 0.1, 100.0)
-    assert time.perf_counter() - start < 0.5  # target 50 ms; generous for a shared CI machine
+    calibrated = acc.calibrate(budget, factory, 0.1, 100.0)  # its speed: benchmarks/accounting.py
     sensitivity = calibrated.process.sensitivity
     assert calibrated.param == pytest.approx(sensitivity * dp_accounting.get_sigma_gaussian(8.0, 1e-5), rel=2e-6)
 
