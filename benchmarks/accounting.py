@@ -1,0 +1,117 @@
+"""Accounting benchmark: epsilon_at, calibrate, and Monte Carlo balls-in-bins timings.
+
+Run: .venv/bin/python benchmarks/accounting.py [--skip-blt]
+
+Single-threaded BLAS (the Monte Carlo target is "one core"). Targets from issue 4:
+calibrate for mf_gaussian under 50 ms once the strategy is resolved; Monte Carlo
+balls-in-bins with 1e5 samples for num_bins=100 under 10 s. Ratios are printed against those
+targets and against dp_accounting.get_sigma_gaussian (the peer for exact Gaussian calibration)
+measured in the same run.
+"""
+
+import os
+
+for _name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_name, "1")
+
+import argparse  # noqa: E402
+import time  # noqa: E402
+
+import dp_accounting  # noqa: E402
+
+import opake.accounting as acc  # noqa: E402
+import opake.dpftrl.accounting as dpftrl_acc  # noqa: E402
+from opake.dpftrl.noise import blt_strategy, identity_strategy  # noqa: E402
+
+DELTA = 1e-5
+BUDGET = acc.epsilon_budget(8.0, DELTA)
+CONTEXTS = [(5000, 100, 5), (500, 100, 5), (10000, 1, 1)]  # the seed page's runs + single participation
+
+
+def best_of(function, repeats):
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        function()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def calibrate_for(strategy, context):
+    n_steps, min_sep, k = context
+
+    def factory(sigma):
+        return dpftrl_acc.mf_gaussian(sigma, strategy, n_steps=n_steps, min_sep=min_sep, max_participations=k)
+
+    return acc.calibrate(BUDGET, factory, 0.1, 1000.0)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--skip-blt", action="store_true", help="skip the BLT rows (optimizer time)")
+    args = parser.parse_args()
+
+    peer = best_of(lambda: dp_accounting.get_sigma_gaussian(BUDGET.epsilon, DELTA), 20)
+    rows = []
+    strategies = [("identity", identity_strategy())]
+    if args.skip_blt:
+        print("BLT rows skipped (--skip-blt)")
+    else:
+        try:
+            from opake.dpftrl.noise import blt_optimize  # noqa: F401
+
+            strategies.append(("blt(10)", blt_strategy(max_buffers=10)))
+        except ImportError:
+            print("opake.dpftrl.noise.blt_optimize is missing: BLT rows skipped")
+    for name, strategy in strategies:
+        for context in CONTEXTS:
+            start = time.perf_counter()
+            result = calibrate_for(strategy, context)  # first call: resolves (optimizes) the strategy
+            cold = time.perf_counter() - start
+            warm = best_of(lambda: calibrate_for(strategy, context), 5)
+            proc = result.process
+            eps_time = best_of(lambda: proc.epsilon_at(DELTA), 50)
+            rows.append((name, context, proc.sensitivity, result.param, eps_time, warm, cold, result.num_evaluations))
+
+    print(f"\ncalibrate to (epsilon={BUDGET.epsilon}, delta={DELTA}); peer dp_accounting.get_sigma_gaussian: {peer * 1e3:.2f} ms")
+    header = f"{'strategy':10} {'n, b, k':>16} {'S':>8} {'sigma':>9} {'eps_at us':>9} {'calib ms':>9} {'/50ms':>6} {'/peer':>6} {'evals':>5} {'cold s':>8}"
+    print(header)
+    print("-" * len(header))
+    for name, context, sens, param, eps_time, warm, cold, evals in rows:
+        print(
+            f"{name:10} {str(context):>16} {sens:8.4f} {param:9.4f} {eps_time * 1e6:9.1f} {warm * 1e3:9.2f} "
+            f"{warm / 0.05:6.3f} {warm / peer:6.2f} {evals:5d} {cold:8.2f}"
+        )
+
+    print("\nballs-in-bins, 100 bins, noise multiplier 4.0, epsilon at delta=1e-3")
+    print("Monte Carlo: 1e5 samples (target 10 s on one core); 'upper' is its 95% upper confidence bound")
+    header = (
+        f"{'strategy':10} {'n_steps':>8} {'mc build s':>10} {'/10s':>6} {'eps_at ms':>9} {'mc est':>7} "
+        f"{'mc upper':>8} {'rdp s':>6} {'rdp':>7} {'rigorous':>8}"
+    )
+    print(header)
+    print("-" * len(header))
+    for name, strategy in strategies:
+        for n_steps in (500, 5000) if name == "identity" else (500,):
+            inner = dpftrl_acc.mf_gaussian(4.0, strategy)
+            rigorous = dpftrl_acc.balls_in_bins(inner, num_bins=100, n_steps=n_steps)  # resolves outside the timings
+            start = time.perf_counter()
+            proc = dpftrl_acc.balls_in_bins(
+                inner, num_bins=100, n_steps=n_steps, method="monte_carlo", num_samples=100_000, seed=0
+            )
+            build = time.perf_counter() - start
+            start = time.perf_counter()
+            estimate = proc.epsilon_estimate(1e-3)
+            eps_time = time.perf_counter() - start
+            start = time.perf_counter()
+            rdp = dpftrl_acc.balls_in_bins(inner, num_bins=100, n_steps=n_steps, method="rdp")
+            rdp_time = time.perf_counter() - start
+            print(
+                f"{name:10} {n_steps:8d} {build:10.3f} {build / 10:6.3f} {eps_time * 1e3:9.1f} "
+                f"{estimate.estimate:7.4f} {estimate.upper:8.4f} {rdp_time:6.2f} {rdp.epsilon_at(1e-3):7.4f} "
+                f"{rigorous.epsilon_at(1e-3):8.4f}"
+            )
+
+
+if __name__ == "__main__":
+    main()
