@@ -1,0 +1,198 @@
+"""Seconds per noise step of mf_gaussian_noise against a floor measured in the same run.
+
+For each configuration (d parameters as one tensor or spread over 200 tensors, B buffers) a
+fresh worker process builds the engine for a hand-made float32-exact BLT with B buffers (so the
+benchmark does not depend on the optimizer) and times, interleaved, best of ``--repeats``:
+
+- floor: ``torch.randn`` of d values into a preallocated tensor plus one fused read/write pass
+  over a (B, d) buffer (``S.add_(z)``): the least any correlated-noise step must do;
+- opake: one ``noise_fn(clipped, state)`` call on float32 gradients.
+
+It also reports the step's peak extra memory: the peak of torch's live allocations during one
+step (from the profiler's record of allocations and releases), in units of one float32
+d-vector; the returned output is part of it. When the peer environments exist, the same configuration runs
+through ``benchmarks/peers/*.py`` in them: the PyPI opake-dpftrl 0.16.1 (/work/peer-opake) and
+jax-privacy (/work/peer-jaxp), with the same BLT parameters; by default only for the
+single-tensor configurations (``--peers all`` for all, ``--peers none`` for none).
+
+Threads: by default every process uses one intra-op thread (``--threads 1``), because on a
+small shared machine multi-threaded timings measure the scheduler more than the code; pass
+``--threads 0`` to keep each library's default.
+
+    python benchmarks/noise_engine.py            # d = 1e6 and 1e7, 1 and 200 tensors, B = 4, 8
+    python benchmarks/noise_engine.py --quick    # d = 1e6 only, fewer repeats
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+PEERS = {
+    "opake-pypi": (Path("/work/peer-opake/bin/python"), ROOT / "peers" / "opake_pypi_noise.py"),
+    "jax-privacy": (Path("/work/peer-jaxp/bin/python"), ROOT / "peers" / "jaxp_noise.py"),
+}
+
+
+def blt_parameters(buffers: int):
+    """Float32-exact BLT: omega_i = 2**-(i+2) (sum < 1/2), 1 - theta_i = 2**-(3i+1)."""
+    omega = [2.0 ** -(i + 2) for i in range(buffers)]
+    one_minus_theta = [2.0 ** -(3 * i + 1) for i in range(buffers)]
+    return omega, one_minus_theta
+
+
+def _peak_allocated_bytes(function) -> int:
+    """Peak of torch's live allocations while ``function`` runs, from the profiler's ordered
+    record of every allocation and release (torch's CPU allocator is invisible to tracemalloc,
+    and the resident set also counts allocator caching and the kernel's page reclaim)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
+        function()
+    events = sorted(
+        (event for event in profiler.profiler.kineto_results.events() if event.name() == "[memory]"),
+        key=lambda event: event.start_ns(),
+    )
+    current = peak = 0
+    for event in events:
+        current += event.nbytes()
+        peak = max(peak, current)
+    return peak
+
+
+def worker(elements: int, tensors: int, buffers: int, repeats: int, threads: int) -> dict:
+    import numpy as np
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)
+    from opake.dpftrl.noise import mf_gaussian_noise
+    from opake.dpftrl.noise.strategy import Mechanism
+    from opake.dpftrl.participation import Participation
+    from opake.random import key
+    from opake.types import clipped
+
+    omega, one_minus_theta = blt_parameters(buffers)
+
+    class FixedBLT:
+        def resolve(self, n_steps, min_sep=1, max_participations=None):
+            return Mechanism(
+                recipe=self, participation=Participation(n_steps, min_sep, max_participations),
+                theta=1.0 - np.array(one_minus_theta), omega=np.array(omega), sensitivity=1.0,
+                max_loss=0.0, mean_loss=0.0,
+            )
+
+    per_tensor = elements // tensors
+    sizes = [per_tensor] * tensors
+    sizes[-1] += elements - per_tensor * tensors
+    template = {f"p{i:04d}": torch.empty(size) for i, size in enumerate(sizes)}
+    noise_fn, state = mf_gaussian_noise(template, FixedBLT(), n_steps=10_000, noise_multiplier=1.0, key=key(0))
+    grads = clipped({name: torch.ones(t.shape) for name, t in template.items()}, 1.0)
+    del template
+    floor_normals = torch.empty(elements)
+    floor_buffers = torch.zeros(buffers, elements)
+    generator = torch.Generator().manual_seed(0)
+
+    def floor():
+        torch.randn(elements, generator=generator, out=floor_normals)
+        floor_buffers.add_(floor_normals)
+
+    floor()
+    noisy, state = noise_fn(grads, state)  # warm-up
+    del noisy
+    best_floor = best_engine = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        floor()
+        best_floor = min(best_floor, time.perf_counter() - start)
+        start = time.perf_counter()
+        noisy, state = noise_fn(grads, state)
+        best_engine = min(best_engine, time.perf_counter() - start)
+        del noisy
+    kept = []
+    extra = _peak_allocated_bytes(lambda: kept.append(noise_fn(grads, state))) / (4 * elements)
+    return {"floor": best_floor, "engine": best_engine, "extra_vectors": extra}
+
+
+def run_worker(args, elements, tensors, buffers) -> dict:
+    command = [sys.executable, __file__, "--worker", str(elements), str(tensors), str(buffers),
+               "--repeats", str(args.repeats), "--threads", str(args.threads)]
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    if completed.returncode != 0:
+        raise RuntimeError(f"worker failed:\n{completed.stderr}")
+    return json.loads(completed.stdout.strip().splitlines()[-1])
+
+
+def run_peer(name, args, elements, tensors, buffers):
+    python, script = PEERS[name]
+    if not python.exists():
+        return None, "peer not installed"
+    omega, one_minus_theta = blt_parameters(buffers)
+    command = [str(python), str(script), "--elements", str(elements), "--tensors", str(tensors),
+               "--omega", ",".join(map(repr, omega)), "--one-minus-theta", ",".join(map(repr, one_minus_theta)),
+               "--repeats", str(args.peer_repeats), "--threads", str(args.threads)]
+    try:
+        completed = subprocess.run(command, capture_output=True, text=True, timeout=600)
+        result = json.loads(completed.stdout.strip().splitlines()[-1])
+    except (subprocess.TimeoutExpired, json.JSONDecodeError, IndexError) as exc:
+        return None, f"failed ({type(exc).__name__})"
+    if "error" in result:
+        return None, result["error"][:60]
+    return result["seconds"], ""
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="d = 1e6 only, 5 repeats")
+    parser.add_argument("--repeats", type=int, default=None, help="timed steps per configuration (default 9, --quick 5)")
+    parser.add_argument("--threads", type=int, default=1, help="intra-op threads (0: library default)")
+    parser.add_argument("--peers", choices=("none", "single", "all"), default="single",
+                        help="run the peers for single-tensor configurations (default), all, or none; "
+                             "jax-privacy compiles 200-tensor models for about a minute")
+    parser.add_argument("--worker", nargs=3, type=int, metavar=("D", "TENSORS", "B"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    args.repeats = args.repeats or (5 if args.quick else 9)
+    args.peer_repeats = 3
+    if args.worker:
+        print(json.dumps(worker(*args.worker, repeats=args.repeats, threads=args.threads)))
+        return
+
+    sizes = [10**6] if args.quick else [10**6, 10**7]
+    peers = [] if args.peers == "none" else list(PEERS)
+    header = f"{'d':>9} {'tensors':>7} {'B':>2} | {'floor ms':>9} {'opake ms':>9} {'ratio':>6} {'extra mem':>9}"
+    for name in peers:
+        header += f" | {name + ' ms':>16} {'ours/peer':>9}"
+    print(f"threads per process: {args.threads or 'library default'}; best of {args.repeats} steps")
+    print("extra mem: peak torch allocations during a step, in float32 d-vectors (target <= 1)")
+    print(header)
+    print("-" * len(header))
+    notes = set()
+    for elements in sizes:
+        for tensors in (1, 200):
+            for buffers in (4, 8):
+                result = run_worker(args, elements, tensors, buffers)
+                ratio = result["engine"] / result["floor"]
+                line = (f"{elements:>9.0e} {tensors:>7} {buffers:>2} | {1e3 * result['floor']:>9.1f} "
+                        f"{1e3 * result['engine']:>9.1f} {ratio:>6.2f} {result['extra_vectors']:>9.2f}")
+                for name in peers:
+                    if args.peers == "single" and tensors != 1:
+                        line += f" | {'(--peers all)':>16} {'':>9}"
+                        continue
+                    seconds, note = run_peer(name, args, elements, tensors, buffers)
+                    if seconds is None:
+                        notes.add(f"{name}: {note}")
+                        line += f" | {'-':>16} {'-':>9}"
+                    else:
+                        line += f" | {1e3 * seconds:>16.1f} {result['engine'] / seconds:>9.2f}"
+                print(line, flush=True)
+    for note in sorted(notes):
+        print(note)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,383 @@
+"""The correlated-noise engine: ``mf_gaussian_noise`` streams sigma * clip / norm * C^{-1} z.
+
+``mf_gaussian_noise(grad_template, strategy, n_steps=..., noise_multiplier=..., key=...)``
+resolves the strategy for the run's participation context and returns ``(noise_fn, state)``.
+``noise_fn(clipped, state)`` returns ``(NoisedPytree, new_state)``: at step t it adds
+
+    noise_multiplier * clipped.l2_bound / clipped.normalization * x_t,    x = C^{-1} z,
+
+with z_t ~ N(0, I_d) i.i.d. over steps and elements (see ``engine_draws``), x computed by the
+strategy's streaming inverse (``engine_streaming``) from a (B, d) buffer state
+(``engine_state``).
+
+Memory and passes. All parameters share one flat (B, d) buffer tensor in the compute dtype
+(float32 by default, float64 on request), whatever the gradients' dtypes. A step allocates one
+d-vector: the output, in the gradients' dtype(s), whose zero-copy views are the leaves of the
+returned pytree (hinted to huge pages on Linux, see ``engine_pages``). z is drawn straight
+into that output (or, when the gradients' dtype differs from the compute dtype, into a scratch
+of at most one noise block), turned into x in place, folded into the buffers with three fused
+in-place torch ops (cache-blocked when single-threaded, see ``columns_per_advance``), and
+finally overwritten by ``gradient + scale * x``. Python loops run over leaves, noise blocks and
+cache blocks only, never over elements. The step plan (which stretch of the output and the
+buffers each leaf uses) depends only on the gradients' dtypes and is computed once
+(``engine_plan``).
+
+Purity. The returned state takes over the buffers (updated in place) and the state passed in
+is retired: using it again raises ``RetiredStateError`` instead of giving different noise;
+``state.copy()`` keeps a reusable copy. The alternative, returning fresh buffers every step,
+would double the memory of the largest object in the engine (B x d) and the traffic of every
+step. Every check (types, structure, shapes, devices, finiteness, horizon) runs before the
+buffers are touched, so a call that raises leaves its state usable.
+
+>>> import torch
+>>> from opake.dpftrl.noise import identity_strategy, mf_gaussian_noise
+>>> from opake.random import key
+>>> from opake.types import clipped
+>>> params = {"w": torch.zeros(3)}
+>>> noise_fn, state = mf_gaussian_noise(params, identity_strategy(), n_steps=2,
+...                                     noise_multiplier=1.0, key=key(0))
+>>> noisy, state = noise_fn(clipped({"w": torch.ones(3)}, l2_bound=1.0), state)
+>>> noisy.pytree["w"].shape, state.step
+(torch.Size([3]), 1)
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+from opake.dpftrl.noise.engine_draws import BLOCK_ELEMENTS, BlockSampler
+from opake.dpftrl.noise.engine_layout import Layout, path_text
+from opake.dpftrl.noise.engine_pages import advise_huge_pages
+from opake.dpftrl.noise.engine_plan import plan_step
+from opake.dpftrl.noise.engine_state import NoiseHorizonError, NoiseState, _Storage
+from opake.dpftrl.noise.engine_streaming import streaming_inverse
+from opake.dpftrl.participation import Participation
+from opake.random import RngKey
+from opake.types import ClippedPytree, NoisedPytree
+
+__all__ = ["CorrelatedNoise", "mf_gaussian_noise"]
+
+_COMPUTE_DTYPES = (torch.float32, torch.float64)
+_CAST_PIECE = 2**16
+_CPU_CHUNK = 2**16
+
+
+def columns_per_advance(device: torch.device) -> int | None:
+    """How many buffer columns one call of the streaming inverse processes (None: all).
+
+    The inverse makes three passes over its (B, n) columns (sum over buffers, decay, add x).
+    Single-threaded on a CPU, cutting the columns into cache-sized pieces (2**16 columns, at
+    most 2 MiB of float32 buffers for B = 8) lets the second and third pass, and the final
+    gradient + scale * x, hit the cache, so DRAM sees one read and one write of the buffers, as
+    in the floor (mixed-dtype adds then also work on pieces of this size). With several threads
+    each torch op is parallel, and many small parallel regions cost more than they save, so
+    the whole span goes at once; on GPUs too. The values do not depend on this choice: every
+    op is elementwise over columns (tests check the two give bit-identical noise).
+    """
+    if device.type == "cpu" and torch.get_num_threads() == 1:
+        return _CPU_CHUNK
+    return None
+
+
+def _check_noise_multiplier(value) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"noise_multiplier must be a real number, got {value!r} ({type(value).__name__})")
+    value = float(value)
+    if not math.isfinite(value) or value <= 0.0:
+        raise ValueError(
+            f"noise_multiplier must be finite and > 0, got {value!r}; calibrate it to the privacy "
+            f"budget with opake.accounting.calibrate"
+        )
+    return value
+
+
+def _resolve(strategy, participation: Participation):
+    """The Mechanism for this context: from a recipe's ``resolve`` or a resolved Mechanism."""
+    if hasattr(strategy, "resolve"):
+        return strategy.resolve(participation.n_steps, participation.min_sep, participation.max_participations)
+    if all(hasattr(strategy, name) for name in ("theta", "omega", "participation", "fingerprint")):
+        if strategy.participation != participation:
+            raise ValueError(
+                f"the mechanism was resolved for ({strategy.participation}) but the noise is asked for "
+                f"({participation}); accounting and noise must use the same context"
+            )
+        return strategy
+    raise TypeError(
+        f"strategy must be a recipe such as blt_strategy(...) or identity_strategy() (or a resolved "
+        f"Mechanism), got {type(strategy).__name__}"
+    )
+
+
+class CorrelatedNoise:
+    """``noise_fn``: a callable ``(clipped, state) -> (NoisedPytree, state)`` (see module doc).
+
+    Attributes: ``mechanism`` (the resolved strategy), ``participation``, ``noise_multiplier``,
+    ``key``, ``dtype`` (compute dtype), ``device``, ``size`` (d), ``inverse``.
+    """
+
+    def __init__(self, layout: Layout, mechanism, participation: Participation,
+                 noise_multiplier: float, key: RngKey, dtype: torch.dtype):
+        self.layout = layout
+        self.mechanism = mechanism
+        self.participation = participation
+        self.noise_multiplier = noise_multiplier
+        self.key = key
+        self.dtype = dtype
+        self.device = layout.device
+        self.size = layout.size
+        self.inverse = streaming_inverse(mechanism)
+        self.inverse.check_dtype(dtype)
+        self._coefficients = self.inverse.coefficients(dtype, self.device)
+        self._sampler = BlockSampler(key, self.device)
+        self._fingerprint = str(getattr(mechanism, "fingerprint", ""))
+        self._plans = {}  # gradient dtypes -> StepPlan
+
+    def init(self) -> NoiseState:
+        """A fresh state: zero buffers, step 0."""
+        buffers = torch.zeros((self.inverse.num_buffers, self.size), dtype=self.dtype, device=self.device)
+        return NoiseState(
+            0, self.participation.n_steps, self.key, self.noise_multiplier, self._fingerprint,
+            self.layout.fingerprint, self.inverse, _Storage(buffers, 0), self,
+        )
+
+    # -- checks (all run before any buffer is written) ----------------------------------------
+
+    def _check_state(self, state) -> None:
+        if not isinstance(state, NoiseState):
+            raise TypeError(
+                f"noise_fn's second argument must be the NoiseState returned by mf_gaussian_noise or "
+                f"by the previous noise_fn call, got {type(state).__name__}"
+            )
+        state.require_current()
+        if state._origin is not self:
+            self._check_configuration(state)
+        n_steps = self.participation.n_steps
+        if state.step >= n_steps:
+            raise NoiseHorizonError(
+                f"noise_fn was called for step {state.step + 1} (1-based) but the mechanism was built "
+                f"for n_steps={n_steps}, and the privacy accounting assumed n_steps={n_steps}: all of "
+                f"its noise is used. To train longer, build the strategy, accounting and engine for "
+                f"a larger n_steps"
+            )
+
+    def _check_configuration(self, state: NoiseState) -> None:
+        """Refuse a state (e.g. unpickled) whose buffers belong to another engine configuration."""
+        buffers = state.buffers
+        mismatches = [
+            name for name, mine, theirs in (
+                ("key", self.key, state.key),
+                ("mechanism", self._fingerprint, state.mechanism_fingerprint),
+                ("parameter layout", self.layout.fingerprint, state.layout_fingerprint),
+                ("n_steps", self.participation.n_steps, state.n_steps),
+                ("noise_multiplier", self.noise_multiplier, state.noise_multiplier),
+                ("streaming inverse", self.inverse, state.inverse),
+                ("buffer shape", (self.inverse.num_buffers, self.size), tuple(buffers.shape)),
+                ("buffer dtype", self.dtype, buffers.dtype),
+                ("buffer device", self.device, buffers.device),
+            ) if mine != theirs
+        ]
+        if mismatches:
+            raise ValueError(
+                f"this noise state belongs to a different noise engine (differs in: "
+                f"{', '.join(mismatches)}); pass the state returned by this engine's "
+                f"mf_gaussian_noise or noise_fn calls"
+            )
+
+    def _check_gradients(self, clipped) -> list[torch.Tensor]:
+        if not isinstance(clipped, ClippedPytree):
+            raise TypeError(
+                f"noise_fn needs an opake.types.ClippedPytree, which carries the L2 bound that "
+                f"scales the noise; got {type(clipped).__name__}. Wrap gradients you clipped "
+                f"yourself with opake.types.clipped(pytree, l2_bound=..., normalization=...)"
+            )
+        leaves = self.layout.flatten_gradients(clipped.pytree)
+        # Finiteness with one reduction per leaf and no d-sized temporary. For float32/64 a
+        # sum is NaN or +-inf when an element is, and otherwise finite unless it overflows,
+        # which only sends us to the exact check below; one sync per dtype. Half-precision
+        # sums would first cast the leaf to float32 (a temporary), so those leaves use their
+        # min and max, which are NaN or +-inf exactly when an element is.
+        finite = True
+        for dtype in {leaf.dtype for leaf in leaves}:
+            group = [leaf for leaf in leaves if leaf.dtype == dtype and leaf.numel()]
+            if not group:
+                continue
+            if dtype in (torch.float32, torch.float64):
+                reduced = [leaf.sum() for leaf in group]
+            else:
+                reduced = [value for leaf in group for value in torch.aminmax(leaf)]
+            if not math.isfinite((reduced[0] if len(reduced) == 1 else torch.stack(reduced).sum()).item()):
+                finite = False
+        if not finite:
+            bad = [path_text(slot.path) for slot, leaf in zip(self.layout.leaves, leaves)
+                   if leaf.numel() and not all(math.isfinite(v.item()) for v in torch.aminmax(leaf))]
+            if bad:
+                raise ValueError(
+                    f"the gradients contain NaN or inf (in {bad}); noise cannot make them "
+                    f"private. Check the loss and the clipping before calling noise_fn"
+                )
+        return leaves
+
+    # -- the step -----------------------------------------------------------------------------
+
+    def __call__(self, clipped: ClippedPytree, state: NoiseState) -> tuple[NoisedPytree, NoiseState]:
+        with torch.no_grad():
+            return self._step(clipped, state)
+
+    def _step(self, clipped: ClippedPytree, state: NoiseState) -> tuple[NoisedPytree, NoiseState]:
+        self._check_state(state)
+        leaves = self._check_gradients(clipped)
+        scale = self.noise_multiplier * clipped.l2_bound / clipped.normalization
+        signature = tuple(leaf.dtype for leaf in leaves)
+        plan = self._plans.get(signature)
+        if plan is None:
+            plan = self._plans.setdefault(signature, plan_step(self.layout, signature, self.dtype))
+        # Allocate before touching the buffers: an out-of-memory error leaves them intact.
+        flats = {dtype: torch.empty(total, dtype=dtype, device=self.device) for dtype, total in plan.totals}
+        for flat in flats.values():
+            advise_huge_pages(flat)
+        scratch = None
+        if plan.scratch_length:
+            scratch = torch.empty(plan.scratch_length, dtype=self.dtype, device=self.device)
+        storage, step = state._storage, state.step
+        storage.step = -1
+        try:
+            self._advance(plan, leaves, flats, scratch, storage.buffers, step, scale)
+        except BaseException:
+            storage.corrupted_at = step
+            raise
+        storage.step = step
+        outputs = [None] * len(leaves)
+        for dtype, members, sizes in plan.output_groups:
+            for index, piece in zip(members, flats[dtype].split(sizes)):
+                shape = self.layout.leaves[index].shape
+                outputs[index] = piece if piece.shape == shape else piece.view(shape)
+        return NoisedPytree(pytree=self.layout.treespec.unflatten(outputs), step=step), state.advanced()
+
+    def _advance(self, plan, leaves, flats, scratch, buffers, step: int, scale: float) -> None:
+        """Fill x with z, turn it into x_t, fold it into the buffers, write gradient + scale x."""
+        gradients = [leaf if leaf.dim() == 1 else leaf.reshape(-1) for leaf in leaves]
+        chunk = columns_per_advance(self.device)
+        for segment in plan.segments:
+            if segment.direct:
+                x = flats[segment.output_dtype].narrow(0, segment.output_offset, segment.length)
+            else:
+                x = scratch if scratch.numel() == segment.length else scratch.narrow(0, 0, segment.length)
+            if chunk is None:
+                self._advance_whole(segment, x, gradients, flats, buffers, step, scale)
+            else:
+                self._advance_blocked(segment, x, gradients, flats, buffers, step, scale, chunk)
+
+    def _advance_whole(self, segment, x, gradients, flats, buffers, step, scale) -> None:
+        """Few large ops (for several threads or a GPU): all draws, one inverse call, the adds."""
+        slots = self.layout.leaves
+        pieces = x.split(segment.draw_lengths) if len(segment.draws) > 1 else (x,)
+        for (index, block), piece in zip(segment.draws, pieces):
+            self._sampler.fill(piece, step, slots[index].code, block)                 # x <- z
+        columns = buffers.narrow(1, segment.column, segment.length)
+        self.inverse.advance(x, columns, self._coefficients, step)                   # x <- (C^{-1} z)_t
+        if segment.direct:
+            # x is the output: overwrite each leaf's stretch with gradient + scale * x.
+            outs = x.split([length for _, _, length, _ in segment.adds]) if len(segment.adds) > 1 else (x,)
+            for (index, _, _, _), out in zip(segment.adds, outs):
+                torch.add(gradients[index], out, alpha=scale, out=out)
+        else:
+            (index, leaf_begin, length, output_offset), = segment.adds
+            out = flats[segment.output_dtype].narrow(0, output_offset, length)
+            self._add_in_pieces(gradients[index].narrow(0, leaf_begin, length), x, out, scale)
+
+    def _advance_blocked(self, segment, x, gradients, flats, buffers, step, scale, chunk) -> None:
+        """Cache-blocked (single-threaded CPU): stretches of about ``chunk`` columns go through
+        draw, inverse and final add while in cache. A noise block longer than ``chunk`` is cut
+        into chunks after its draw; shorter ones (small leaves) are grouped until they fill one,
+        so a model of many small tensors still makes one inverse call per chunk."""
+        slots = self.layout.leaves
+        pending = []        # (leaf index, start in the leaf, start in x, length) awaiting the inverse
+        pending_start = 0   # where the pending stretch starts in x
+
+        def finish(stop: int) -> None:
+            # Inverse over x[pending_start:stop], then the adds of the blocks in that stretch.
+            length = stop - pending_start
+            self.inverse.advance(x.narrow(0, pending_start, length),
+                                 buffers.narrow(1, segment.column + pending_start, length),
+                                 self._coefficients, step)                          # x <- (C^{-1} z)_t
+            for index, leaf_begin, begin, size in pending:
+                x_part = x.narrow(0, begin, size)
+                if segment.direct:
+                    out = x_part
+                else:
+                    out = flats[segment.output_dtype].narrow(0, segment.output_offset + begin, size)
+                torch.add(gradients[index].narrow(0, leaf_begin, size), x_part, alpha=scale, out=out)
+            pending.clear()
+
+        start = 0  # where the current noise block starts in x
+        for (index, block), length in zip(segment.draws, segment.draw_lengths):
+            self._sampler.fill(x.narrow(0, start, length), step, slots[index].code, block)   # x <- z
+            leaf_begin = block * BLOCK_ELEMENTS
+            if length >= chunk:
+                if pending:
+                    finish(start)
+                for begin in range(0, length, chunk):
+                    pending_start = start + begin
+                    pending.append((index, leaf_begin + begin, start + begin, min(chunk, length - begin)))
+                    finish(start + begin + pending[-1][3])
+            else:
+                if not pending:
+                    pending_start = start
+                pending.append((index, leaf_begin, start, length))
+                if start + length - pending_start >= chunk:
+                    finish(start + length)
+            start += length
+        if pending:
+            finish(start)
+
+    @staticmethod
+    def _add_in_pieces(gradient, x, out, scale) -> None:
+        # Mixed-dtype adds make torch allocate casting buffers the size of their operands;
+        # 64K-element pieces keep those at 512 KiB.
+        length = x.numel()
+        for begin in range(0, length, _CAST_PIECE):
+            size = min(_CAST_PIECE, length - begin)
+            torch.add(gradient.narrow(0, begin, size), x.narrow(0, begin, size), alpha=scale,
+                      out=out.narrow(0, begin, size))
+
+
+def mf_gaussian_noise(
+    grad_template,
+    strategy,
+    *,
+    n_steps: int,
+    min_sep: int = 1,
+    max_participations: int | None = None,
+    noise_multiplier: float,
+    key: RngKey,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[CorrelatedNoise, NoiseState]:
+    """Correlated Gaussian noise for DP-FTRL: returns ``(noise_fn, initial_state)``.
+
+    grad_template: a pytree of tensors shaped like the gradients (usually the parameters, e.g.
+      ``dict(model.named_parameters())``); only shapes, dtypes, device and paths are used.
+    strategy: ``blt_strategy(...)``, ``identity_strategy()``, or a resolved Mechanism; it is
+      resolved for (n_steps, min_sep, max_participations), the context the accounting must use.
+    noise_multiplier: sigma (> 0); the noise on step t is
+      sigma * l2_bound / normalization * (C^{-1} z)_t.
+    key: an ``opake.random.RngKey``; required, no default seed.
+    dtype: compute dtype of the buffers and of x, torch.float32 (default) or torch.float64,
+      independent of the gradients' dtype (bf16/fp16 gradients get bf16/fp16 outputs).
+
+    ``noise_fn(clipped, state)`` refuses step n_steps + 1 (``NoiseHorizonError``).
+    """
+    if not isinstance(key, RngKey):
+        raise TypeError(
+            f"key must be an opake.random.RngKey, e.g. key=opake.random.key(42); got {type(key).__name__}"
+        )
+    if dtype not in _COMPUTE_DTYPES:
+        raise ValueError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
+    sigma = _check_noise_multiplier(noise_multiplier)
+    participation = Participation(n_steps, min_sep, max_participations)
+    layout = Layout.from_template(grad_template)
+    mechanism = _resolve(strategy, participation)
+    noise_fn = CorrelatedNoise(layout, mechanism, participation, sigma, key, dtype)
+    return noise_fn, noise_fn.init()

@@ -1,0 +1,72 @@
+"""Memory target: a noise step allocates at most one d-vector beyond the (B, d) buffers.
+
+Measured with torch's profiler, which records every tensor allocation and release in order
+(tracemalloc does not see torch's CPU allocator): the peak of the running total during one
+step is the step's extra memory. The output the step returns is part of it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from opake.dpftrl.noise import mf_gaussian_noise
+from opake.random import key
+from opake.types import clipped
+from test_engine_support import HandRecipe
+
+D = 2**21 + 5  # two full noise blocks and a short third one
+FOUR_BUFFERS = HandRecipe((0.25, 0.125, 0.0625, 0.03125), (0.5, 2.0**-6, 2.0**-12, 2.0**-30))
+
+
+def _peak_allocated_bytes(function) -> int:
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
+        function()
+    events = sorted(
+        (event for event in profiler.profiler.kineto_results.events() if event.name() == "[memory]"),
+        key=lambda event: event.start_ns(),
+    )
+    current = peak = 0
+    for event in events:
+        current += event.nbytes()
+        peak = max(peak, current)
+    return peak
+
+
+def _step_peak(template, grads, dtype=torch.float32):
+    noise_fn, state = mf_gaussian_noise(template, FOUR_BUFFERS, n_steps=3, noise_multiplier=1.0, key=key(0),
+                                        dtype=dtype)
+    assert state.buffers.shape == (4, D)
+    _, state = noise_fn(grads, state)  # warm-up: plans and lazy initialisation are not per step
+    kept = []
+    peak = _peak_allocated_bytes(lambda: kept.append(noise_fn(grads, state)))
+    return peak
+
+
+def test_the_measurement_sees_allocations():
+    assert _peak_allocated_bytes(lambda: torch.empty(1000)) >= 4000
+
+
+def test_a_float32_step_allocates_one_parameter_vector():
+    template = {"a": torch.zeros(D - 1000), "b": torch.zeros(10, 100)}
+    grads = clipped({"a": torch.ones(D - 1000), "b": torch.ones(10, 100)}, 1.0)
+    peak = _step_peak(template, grads)
+    # The output (4 D bytes) and nothing of size comparable to D: a (B, d) temporary would be
+    # 16 D, a second d-vector 8 D in total.
+    assert 4 * D <= peak <= 4 * D + 2**16, peak / (4 * D)
+
+
+@pytest.mark.parametrize(
+    "grad_dtype, compute_dtype, output_bytes",
+    [(torch.bfloat16, torch.float32, 2), (torch.float16, torch.float32, 2), (torch.float32, torch.float64, 4)],
+)
+def test_other_gradient_dtypes_add_a_fixed_scratch_only(grad_dtype, compute_dtype, output_bytes):
+    template = {"a": torch.zeros(D)}
+    grads = clipped({"a": torch.ones(D, dtype=grad_dtype)}, 1.0)
+    peak = _step_peak(template, grads, dtype=compute_dtype)
+    # Output in the gradient's dtype, a scratch of one noise block (2**20 elements) in the
+    # compute dtype, and torch's casting buffers for 2**16-element pieces (two operands).
+    item = torch.tensor([], dtype=compute_dtype).element_size()
+    bound = output_bytes * D + item * 2**20 + 2 * item * 2**16 + 2**16
+    assert output_bytes * D <= peak <= bound, (peak, bound)
