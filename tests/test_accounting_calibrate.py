@@ -76,9 +76,9 @@ def test_range_error_is_a_value_error():
 @pytest.mark.parametrize(
     "param_min, param_max, message",
     [
-        (0.0, 1.0, "param_min must be a finite number > 0"),
-        (-1.0, 1.0, "param_min must be a finite number > 0"),
-        (0.1, math.inf, "param_max must be a finite number > 0"),
+        (0.0, 1.0, "param_min must be finite and > 0"),
+        (-1.0, 1.0, "param_min must be finite and > 0"),
+        (0.1, math.inf, "param_max must be finite and > 0"),
         (2.0, 1.0, "param_min must be < param_max"),
     ],
 )

@@ -135,7 +135,7 @@ def test_bad_epsilon_is_refused(epsilon):
 
 @pytest.mark.parametrize("sigma", [0.0, -1.0, math.inf, math.nan])
 def test_bad_noise_multiplier_is_refused(sigma):
-    with pytest.raises(ValueError, match="noise_multiplier must be a finite number > 0.*calibrate"):
+    with pytest.raises(ValueError, match="noise_multiplier must be finite and > 0.*calibrate"):
         acc.gaussian(sigma)
 
 

@@ -10,7 +10,6 @@ import pytest
 import dense
 from opake.dpftrl.noise import blt, blt_optimize, blt_strategy, identity_strategy
 from opake.dpftrl.noise.strategy import _resolve_blt
-from opake.dpftrl.participation import Participation
 
 
 def _dense_loss(mech, momentum=1.0, schedule=None):

@@ -123,7 +123,7 @@ def test_bind_gives_the_bound_mechanism():
 
 @pytest.mark.parametrize("noise_multiplier", [0.0, -1.0, math.inf, math.nan])
 def test_bad_noise_multiplier_is_refused(noise_multiplier):
-    with pytest.raises(ValueError, match="noise_multiplier must be a finite number > 0.*calibrate"):
+    with pytest.raises(ValueError, match="noise_multiplier must be finite and > 0.*calibrate"):
         dpftrl_acc.mf_gaussian(noise_multiplier, identity_strategy(), n_steps=10)
 
 

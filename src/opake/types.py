@@ -23,24 +23,15 @@ Pytrees are handled by optree: a tensor, or dicts, lists and tuples (nested) of 
 
 from __future__ import annotations
 
-import math
-import numbers
 from dataclasses import dataclass
 from typing import Any
 
 import optree
 import torch
 
+from opake._checks import positive_finite
+
 __all__ = ["ClippedPytree", "NoisedPytree", "clipped"]
-
-
-def _positive_finite(name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a real number, got {value!r} ({type(value).__name__})")
-    value = float(value)
-    if not math.isfinite(value) or value <= 0.0:
-        raise ValueError(f"{name} must be finite and > 0, got {value!r}")
-    return value
 
 
 def _check_tensor_leaves(name: str, pytree) -> None:
@@ -68,8 +59,8 @@ class ClippedPytree:
     normalization: float = 1.0
 
     def __post_init__(self):
-        object.__setattr__(self, "l2_bound", _positive_finite("l2_bound", self.l2_bound))
-        object.__setattr__(self, "normalization", _positive_finite("normalization", self.normalization))
+        object.__setattr__(self, "l2_bound", positive_finite("l2_bound", self.l2_bound))
+        object.__setattr__(self, "normalization", positive_finite("normalization", self.normalization))
         _check_tensor_leaves("ClippedPytree.pytree", self.pytree)
 
     @property

@@ -17,6 +17,7 @@ import numbers
 from dataclasses import dataclass
 from typing import Callable
 
+from opake._checks import positive_finite
 from opake.accounting.budget import EpsilonBudget
 
 _MAX_EVALUATIONS = 200
@@ -52,15 +53,6 @@ class CalibrationResult:
     num_evaluations: int
 
 
-def _positive_finite(name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a real number, got {value!r} ({type(value).__name__})")
-    value = float(value)
-    if not (math.isfinite(value) and value > 0.0):
-        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
-    return value
-
-
 def calibrate(
     budget: EpsilonBudget,
     process_factory: Callable[[float], object],
@@ -89,8 +81,8 @@ def calibrate(
             "process_factory must be a callable param -> privacy process, e.g. "
             "lambda sigma: mf_gaussian(sigma, strategy, n_steps=...)"
         )
-    param_min = _positive_finite("param_min", param_min)
-    param_max = _positive_finite("param_max", param_max)
+    param_min = positive_finite("param_min", param_min)
+    param_max = positive_finite("param_max", param_max)
     if not param_min < param_max:
         raise ValueError(f"param_min must be < param_max, got param_min={param_min!r}, param_max={param_max!r}")
     if isinstance(rtol, bool) or not isinstance(rtol, numbers.Real) or not (1e-12 <= rtol <= 0.5):

@@ -10,8 +10,9 @@ non-increasing in their argument. Processes are frozen values; amplifiers wrap t
 from __future__ import annotations
 
 import math
-import numbers
 from typing import Protocol, runtime_checkable
+
+from opake._checks import positive_finite, real_number
 
 
 @runtime_checkable
@@ -34,15 +35,9 @@ class PrivacyProcess(Protocol):
         ...
 
 
-def _real(name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a real number, got {value!r} ({type(value).__name__})")
-    return float(value)
-
-
 def check_delta(delta, name: str = "delta") -> float:
     """``delta`` as a float in the open interval (0, 1), or a ValueError/TypeError saying why not."""
-    value = _real(name, delta)
+    value = real_number(name, delta)
     if not (0.0 < value < 1.0):
         raise ValueError(
             f"{name} must be in the open interval (0, 1), got {delta!r}; "
@@ -53,7 +48,7 @@ def check_delta(delta, name: str = "delta") -> float:
 
 def check_epsilon(epsilon, name: str = "epsilon") -> float:
     """``epsilon`` as a finite float >= 0, or a ValueError/TypeError saying why not."""
-    value = _real(name, epsilon)
+    value = real_number(name, epsilon)
     if not (math.isfinite(value) and value >= 0.0):
         raise ValueError(
             f"{name} must be a finite number >= 0, got {epsilon!r}; "
@@ -64,10 +59,5 @@ def check_epsilon(epsilon, name: str = "epsilon") -> float:
 
 def check_noise_multiplier(noise_multiplier, name: str = "noise_multiplier") -> float:
     """A finite noise multiplier > 0 (the noise standard deviation over the clip norm)."""
-    value = _real(name, noise_multiplier)
-    if not (math.isfinite(value) and value > 0.0):
-        raise ValueError(
-            f"{name} must be a finite number > 0, got {noise_multiplier!r}; "
-            "to find one for a privacy budget use opake.accounting.calibrate"
-        )
-    return value
+    return positive_finite(name, noise_multiplier,
+                           "to find one for a privacy budget use opake.accounting.calibrate")

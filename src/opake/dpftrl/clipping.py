@@ -77,6 +77,7 @@ import optree
 import torch
 from torch.func import grad, vmap
 
+from opake._checks import positive_finite
 from opake.types import ClippedPytree
 
 __all__ = ["ClipState", "LossShapeError", "NonFiniteGradientError", "clipped_grad"]
@@ -111,15 +112,6 @@ class ClipState:
     def clipped_fraction(self) -> float:
         """Fraction of the examples seen whose gradient was clipped (0.0 before any example)."""
         return self.clipped_examples / self.examples if self.examples else 0.0
-
-
-def _positive_finite(name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a real number, got {value!r} ({type(value).__name__})")
-    value = float(value)
-    if not math.isfinite(value) or value <= 0.0:
-        raise ValueError(f"{name} must be finite and > 0, got {value!r}")
-    return value
 
 
 def _check_batch_argnums(batch_argnums) -> tuple[int, ...]:
@@ -284,8 +276,8 @@ def clipped_grad(
         raise TypeError(
             f"loss_fn must be callable as loss_fn(params, *batch), got {type(loss_fn).__name__}"
         )
-    clipping_norm = _positive_finite("clipping_norm", clipping_norm)
-    normalization = 1.0 if normalize_by is None else _positive_finite("normalize_by", normalize_by)
+    clipping_norm = positive_finite("clipping_norm", clipping_norm)
+    normalization = 1.0 if normalize_by is None else positive_finite("normalize_by", normalize_by)
     batch_argnums = _check_batch_argnums(batch_argnums)
     if nonfinite not in NONFINITE_MODES:
         raise ValueError(f"nonfinite must be one of {NONFINITE_MODES}, got {nonfinite!r}")

@@ -44,7 +44,6 @@ buffers are touched, so a call that raises leaves its state usable.
 from __future__ import annotations
 
 import math
-import numbers
 
 import torch
 
@@ -54,6 +53,7 @@ from opake.dpftrl.noise.engine_pages import advise_huge_pages
 from opake.dpftrl.noise.engine_plan import plan_step
 from opake.dpftrl.noise.engine_state import NoiseHorizonError, NoiseState, _Storage
 from opake.dpftrl.noise.engine_streaming import streaming_inverse
+from opake._checks import positive_finite
 from opake.dpftrl.participation import Participation
 from opake.random import RngKey
 from opake.types import ClippedPytree, NoisedPytree
@@ -80,18 +80,6 @@ def columns_per_advance(device: torch.device) -> int | None:
     if device.type == "cpu" and torch.get_num_threads() == 1:
         return _CPU_CHUNK
     return None
-
-
-def _check_noise_multiplier(value) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"noise_multiplier must be a real number, got {value!r} ({type(value).__name__})")
-    value = float(value)
-    if not math.isfinite(value) or value <= 0.0:
-        raise ValueError(
-            f"noise_multiplier must be finite and > 0, got {value!r}; calibrate it to the privacy "
-            f"budget with opake.accounting.calibrate"
-        )
-    return value
 
 
 def _resolve(strategy, participation: Participation):
@@ -375,7 +363,8 @@ def mf_gaussian_noise(
         )
     if dtype not in _COMPUTE_DTYPES:
         raise ValueError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
-    sigma = _check_noise_multiplier(noise_multiplier)
+    sigma = positive_finite("noise_multiplier", noise_multiplier,
+                            "calibrate it to the privacy budget with opake.accounting.calibrate")
     participation = Participation(n_steps, min_sep, max_participations)
     layout = Layout.from_template(grad_template)
     mechanism = _resolve(strategy, participation)
