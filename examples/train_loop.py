@@ -54,7 +54,7 @@ noise_fn, noise_state = mf_gaussian_noise(
     min_sep=participation.min_sep, max_participations=participation.max_participations,
     noise_multiplier=calibration.param, key=root.fold_in("noise"),
 )
-assert noise_fn.mechanism.fingerprint == calibration.process.mechanism.fingerprint  # same mechanism
+noise_fn.check_accounted_by(calibration.process)  # raises unless the accountant priced this noise
 
 for step in range(steps(participation.n_steps)):
     batch = sampler.batch(step)

@@ -123,6 +123,34 @@ class CorrelatedNoise:
         self._fingerprint = str(getattr(mechanism, "fingerprint", ""))
         self._plans = {}  # gradient dtypes -> StepPlan
 
+    def check_accounted_by(self, process) -> None:
+        """Raise unless ``process`` priced exactly this noise (same mechanism, same multiplier).
+
+        ``process`` is a bound ``opake.dpftrl.accounting.mf_gaussian`` (or anything with
+        ``.mechanism`` and ``.noise_multiplier``). Different recipes, participation contexts or
+        learning-rate schedule values give different mechanism fingerprints; an epsilon computed
+        for another mechanism or noise multiplier is not this run's guarantee.
+        """
+        mechanism = getattr(process, "mechanism", None)
+        if mechanism is None:
+            raise ValueError(
+                "the accountant has no resolved mechanism (an unbound mf_gaussian); give it the run's "
+                "n_steps, min_sep and max_participations, or compare through the amplifier's bound process"
+            )
+        problems = []
+        if getattr(mechanism, "fingerprint", None) != self._fingerprint:
+            problems.append(
+                f"mechanism: the accountant priced {mechanism!r}, the noise runs {self.mechanism!r}"
+            )
+        sigma = getattr(process, "noise_multiplier", None)
+        if sigma is not None and float(sigma) != self.noise_multiplier:
+            problems.append(f"noise_multiplier: accountant {sigma!r}, noise {self.noise_multiplier!r}")
+        if problems:
+            raise ValueError(
+                "accounting and noise disagree (" + "; ".join(problems) + "); build both from the same "
+                "strategy recipe, participation context and noise multiplier"
+            )
+
     def init(self) -> NoiseState:
         """A fresh state: zero buffers, step 0."""
         buffers = torch.zeros((self.inverse.num_buffers, self.size), dtype=self.dtype, device=self.device)
