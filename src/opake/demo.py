@@ -106,6 +106,7 @@ def _train_private(strategy, settings, train, sampler, participation, learning_r
         min_sep=participation.min_sep, max_participations=participation.max_participations,
         noise_multiplier=noise_multiplier.param, key=key(SEED).fold_in("noise"),
     )
+    noise_fn.check_accounted_by(noise_multiplier.process)
     x, y = train
     for step in range(participation.n_steps):
         batch = sampler.batch(step)
