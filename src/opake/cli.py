@@ -18,12 +18,13 @@ import time
 from opake.plan import plan_run
 
 
-def _extra_strategies(max_buffers: int):
-    try:  # BandMF arrives with its own issue; list it when present
-        from opake.dpftrl.noise import band_mf_strategy
-    except ImportError:
-        return ()
-    return (("BandMF", band_mf_strategy(bands=max(2, 4 * max_buffers))),)
+def _extra_strategies(args):
+    from opake.dpftrl.noise import band_mf_strategy
+
+    # As many bands as the separation (one participation per band window, Band23), at least
+    # 4 floats per buffer of the BLT, at most the horizon.
+    bands = min(args.n_steps, max(2, args.min_sep, 4 * args.max_buffers))
+    return (("BandMF", band_mf_strategy(bands=bands)),)
 
 
 def _plan(args) -> int:
@@ -31,7 +32,7 @@ def _plan(args) -> int:
     plan = plan_run(
         args.n_steps, args.min_sep, args.max_participations, args.epsilon, args.delta,
         max_buffers=args.max_buffers, error=args.error,
-        extra_strategies=_extra_strategies(args.max_buffers),
+        extra_strategies=_extra_strategies(args),
     )
     seconds = time.perf_counter() - start
     ctx = plan.participation
@@ -89,7 +90,7 @@ def _plot(plan, path: str) -> None:
         raise ValueError("--plot needs matplotlib: pip install matplotlib") from None
     import numpy as np
 
-    from opake.dpftrl.noise import blt
+    from opake.dpftrl.noise import toeplitz
 
     n = plan.participation.n_steps
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
@@ -99,10 +100,7 @@ def _plot(plan, path: str) -> None:
         c = mech.toeplitz_coefficients(n)
         if np.any(c[1:] > 0):
             left.loglog(lags, c[1:], label=row.name)
-        if mech.num_buffers:
-            rows_err = blt.per_query_errors(mech.params, n)
-        else:
-            rows_err = np.arange(1, n + 1, dtype=float)
+        rows_err = toeplitz.per_query_errors(toeplitz.inverse_coefficients(c))
         right.plot(np.arange(n), row.noise_multiplier * np.sqrt(rows_err), label=row.name)
     left.set(title="strategy coefficients c_k", xlabel="lag k")
     right.set(title="RMSE of prefix sum at step t (equal privacy)", xlabel="step t")

@@ -5,7 +5,8 @@
 * ``balls_in_bins(mf_gaussian(noise_multiplier, strategy), num_bins, n_steps)``: fixed bins
   processed cyclically; rigorous (unamplified) by default, a rigorous amplified RDP bound
   (method="rdp") or a Monte Carlo estimate (method="monte_carlo") on request.
-* ``poisson``: cyclic Poisson for BandMF / identity (a later issue); refuses a BLT.
+* ``poisson(mf_gaussian(noise_multiplier, strategy), sample_rate, n_steps)``: cyclic Poisson
+  sampling for BandMF (Band23 Thm 4) and the identity strategy (DP-SGD), by PLD; refuses a BLT.
 """
 
 from opake.dpftrl.accounting.balls_in_bins import BallsInBins, balls_in_bins

@@ -1,14 +1,41 @@
-"""Cyclic Poisson amplification for banded strategies (Band23 Thm 4): a placeholder.
+"""Cyclic Poisson amplification for banded strategies: BandMF and the identity (Band23 Thm 4).
 
-A later issue implements ``poisson`` for BandMF and the identity strategy: split the data into
-b groups, Poisson-sample group t mod b at step t, and compose PoissonSampled(q, Gaussian)
-ceil(n/b) times. The theorem needs a b-banded C, so it is not valid for a BLT, whose C has
-infinitely many non-zero diagonals; a BLT is refused here with the advice of the BLT page.
+Sampling (``opake.dpftrl.sampling.CyclicPoissonSampler`` with ``num_groups = bands``): the data
+are split once into b groups; at step t each member of group t mod b is included independently
+with probability q. An example can then contribute only at steps t = g (mod b) of its group g:
+at most k = ceil(n/b) times, any two b steps apart.
+
+Theorem (Band23 Thm 4). For a b-banded lower-triangular C whose columns have L2 norm at most 1,
+the correlated-noise run C G + sigma Z under this sampling is dominated by
+PoissonSampled(q, Gaussian(sigma)) self-composed ceil(n/b) times. Here C has c_0 = 1, not unit
+columns; rescaling C to unit max column norm rescales the noise the same way, so the theorem
+applies with sigma_eff = noise_multiplier / max_j ||column_j(C)|| = noise_multiplier / ||c||_2
+(the first column holds the whole band when bands <= n_steps).
+
+The identity strategy is the case b = 1 (||c|| = 1): plain DP-SGD with Poisson sampling of the
+whole data set, n_steps compositions of PoissonSampled(q, Gaussian(noise_multiplier)).
+
+A BLT's C has a non-zero entry on every diagonal (it is not banded for any b < n), so the
+theorem does not apply and a BLT is refused with the advice below.
+
+The composition is priced with dp_accounting's PLD accountant (add/remove adjacency). Its
+Gaussian PLDs use ``pessimistic_estimate=True`` (the default of
+``PrivacyLossDistribution.from_gaussian_mechanism`` as the accountant calls it), so the
+discretization rounds privacy losses up: the numbers are upper bounds (``is_guarantee``).
 """
 
 from __future__ import annotations
 
+import math
+import numbers
+from dataclasses import dataclass, field
+
+import dp_accounting
+from dp_accounting.pld import PLDAccountant
+
+from opake.accounting.process import check_delta, check_epsilon
 from opake.dpftrl.accounting.gaussian import MFGaussian
+from opake.dpftrl.participation import Participation
 
 BLT_ADVICE = (
     "Poisson subsampling amplification is not valid for a BLT strategy (its C is not banded); "
@@ -17,22 +44,171 @@ BLT_ADVICE = (
     "balls_in_bins or mf_gaussian with min_sep and max_participations"
 )
 
+DEFAULT_DISCRETIZATION = 1e-4
+
 
 class UnsupportedAmplificationError(ValueError):
     """The strategy cannot be amplified this way; the message says what to use instead."""
 
 
-def poisson(inner: MFGaussian, *args, **kwargs):
-    """Cyclic Poisson amplification (not yet implemented; refuses a BLT strategy)."""
-    from opake.dpftrl.noise.strategy import BLTStrategy
+@dataclass(frozen=True)
+class CyclicPoisson:
+    """A BandMF / identity run under cyclic Poisson sampling, priced by Band23 Thm 4.
 
+    ``bound`` is the inner mf_gaussian bound to the sampler's participation
+    (``Participation(n_steps, min_sep=num_groups, max_participations=compositions)``); its
+    ``mechanism`` carries the fingerprint the noise engine must match. ``epsilon_at`` and
+    ``delta_at`` come from the PLD of PoissonSampled(sample_rate, Gaussian(
+    effective_noise_multiplier)) composed ``compositions`` times (``dp_event``).
+    """
+
+    bound: MFGaussian
+    sample_rate: float
+    n_steps: int
+    num_groups: int
+    compositions: int
+    column_norm: float
+    value_discretization_interval: float
+    _accountant: PLDAccountant = field(repr=False, compare=False, default=None)
+
+    is_guarantee = True
+
+    @property
+    def mechanism(self):
+        return self.bound.mechanism
+
+    @property
+    def participation(self) -> Participation:
+        return self.bound.participation
+
+    @property
+    def effective_noise_multiplier(self) -> float:
+        """sigma_eff = noise_multiplier / (max column norm of C)."""
+        return self.bound.noise_multiplier / self.column_norm
+
+    @property
+    def dp_event(self) -> dp_accounting.DpEvent:
+        """The dominating event of Band23 Thm 4, as dp_accounting composes it."""
+        return _event(self.sample_rate, self.effective_noise_multiplier, self.compositions)
+
+    @property
+    def description(self) -> str:
+        return (
+            f"cyclic Poisson (Band23 Thm 4), {self.num_groups} group(s) over {self.n_steps} steps, "
+            f"sample rate {self.sample_rate:.6g}: PoissonSampled Gaussian with noise multiplier "
+            f"{self.bound.noise_multiplier:.6g} / column norm {self.column_norm:.6g} = "
+            f"{self.effective_noise_multiplier:.6g}, composed {self.compositions} times; PLD "
+            f"accounting (pessimistic discretization {self.value_discretization_interval:g}): "
+            f"an upper bound"
+        )
+
+    def epsilon_at(self, delta: float) -> float:
+        delta = check_delta(delta)
+        return float(self._accountant.get_epsilon(delta))
+
+    def delta_at(self, epsilon: float) -> float:
+        epsilon = check_epsilon(epsilon)
+        return float(self._accountant.get_delta(epsilon))
+
+
+def _event(sample_rate: float, noise_multiplier: float, count: int) -> dp_accounting.DpEvent:
+    return dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(sample_rate, dp_accounting.GaussianDpEvent(noise_multiplier)),
+        count,
+    )
+
+
+def _check_sample_rate(sample_rate) -> float:
+    if isinstance(sample_rate, bool) or not isinstance(sample_rate, numbers.Real):
+        raise TypeError(f"sample_rate must be a real number, got {sample_rate!r} ({type(sample_rate).__name__})")
+    rate = float(sample_rate)
+    if not (0.0 < rate <= 1.0):
+        raise ValueError(
+            f"sample_rate must be in (0, 1] (the probability that a member of the served group is "
+            f"included), got {sample_rate!r}"
+        )
+    return rate
+
+
+def _check_n_steps(n_steps) -> int:
+    if n_steps is None:
+        raise ValueError("n_steps is required: poisson(mf_gaussian(noise_multiplier, strategy), sample_rate, n_steps)")
+    if isinstance(n_steps, bool) or not isinstance(n_steps, numbers.Integral):
+        raise TypeError(f"n_steps must be an integer, got {n_steps!r} ({type(n_steps).__name__})")
+    if n_steps < 1:
+        raise ValueError(f"n_steps must be >= 1, got {n_steps}")
+    return int(n_steps)
+
+
+def _bands(strategy) -> int:
+    """The number of bands b of a strategy the theorem covers; refuses everything else."""
+    from opake.dpftrl.noise.band_mf import BandMFStrategy
+    from opake.dpftrl.noise.strategy import BLTStrategy, IdentityStrategy
+
+    if isinstance(strategy, BLTStrategy):
+        raise UnsupportedAmplificationError(BLT_ADVICE)
+    if isinstance(strategy, IdentityStrategy):
+        return 1
+    if isinstance(strategy, BandMFStrategy):
+        return strategy.bands
+    raise UnsupportedAmplificationError(
+        f"cyclic Poisson amplification (Band23 Thm 4) needs a banded strategy; got "
+        f"{type(strategy).__name__}. Use band_mf_strategy(bands) or identity_strategy(), or price "
+        f"this strategy with mf_gaussian / balls_in_bins"
+    )
+
+
+def poisson(
+    inner: MFGaussian,
+    sample_rate: float,
+    n_steps: int | None = None,
+    *,
+    value_discretization_interval: float = DEFAULT_DISCRETIZATION,
+) -> CyclicPoisson:
+    """Price a BandMF or DP-SGD run under cyclic Poisson sampling (Band23 Thm 4).
+
+    Args:
+      inner: an unbound ``mf_gaussian(noise_multiplier, strategy)`` with
+        ``strategy = band_mf_strategy(bands)`` or ``identity_strategy()`` (bands = 1).
+      sample_rate: q in (0, 1], the inclusion probability of a member of the served group.
+      n_steps: the number of steps n.
+      value_discretization_interval: the PLD grid (smaller is tighter and slower).
+
+    The sampling this assumes is exactly ``CyclicPoissonSampler(num_examples, num_groups=bands,
+    sample_rate=q, key=...)``; the result's ``participation`` equals that sampler's
+    ``participation(n_steps)``, and its ``mechanism`` is what the noise engine must run.
+    """
     if not isinstance(inner, MFGaussian):
         raise TypeError(
             f"inner must be an unbound mf_gaussian(noise_multiplier, strategy), got {type(inner).__name__}"
         )
-    if isinstance(inner.strategy, BLTStrategy):
-        raise UnsupportedAmplificationError(BLT_ADVICE)
-    raise NotImplementedError(
-        "opake.dpftrl.accounting.poisson (cyclic Poisson for BandMF / identity) is not implemented "
-        "yet; use balls_in_bins, or mf_gaussian with the participation bounds"
+    bands = _bands(inner.strategy)
+    rate = _check_sample_rate(sample_rate)
+    n = _check_n_steps(n_steps)
+    if bands > n:
+        raise ValueError(
+            f"bands ({bands}) must be <= n_steps ({n}): cyclic Poisson serves group t mod bands at "
+            f"step t, so every group must be served at least once"
+        )
+    interval = float(value_discretization_interval)
+    if not (math.isfinite(interval) and interval > 0.0):
+        raise ValueError(f"value_discretization_interval must be finite and > 0, got {value_discretization_interval!r}")
+    compositions = -(-n // bands)
+    participation = Participation(n, bands, compositions)
+    if inner.is_bound and inner.participation != participation:
+        raise ValueError(
+            f"inner was bound to ({inner.participation}), but cyclic Poisson sampling with {bands} "
+            f"group(s) guarantees ({participation}); pass the unbound mf_gaussian(noise_multiplier, "
+            f"strategy) and let poisson supply the participation"
+        )
+    bound = inner if inner.is_bound else inner.bind(n, bands, compositions)
+    coefs = getattr(bound.mechanism, "coefs", None)
+    column_norm = 1.0 if coefs is None else math.sqrt(math.fsum(float(v) * float(v) for v in coefs))
+    accountant = PLDAccountant(
+        dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE, value_discretization_interval=interval,
+    )
+    accountant.compose(_event(rate, bound.noise_multiplier / column_norm, compositions))
+    return CyclicPoisson(
+        bound=bound, sample_rate=rate, n_steps=n, num_groups=bands, compositions=compositions,
+        column_norm=column_norm, value_discretization_interval=interval, _accountant=accountant,
     )

@@ -1,5 +1,6 @@
-"""Correlated noise: strategy recipes (BLT, identity) and the streaming noise engine."""
+"""Correlated noise: strategy recipes (BLT, BandMF, identity) and the streaming noise engine."""
 
+from opake.dpftrl.noise.band_mf import BandMFStrategy, band_mf_strategy
 from opake.dpftrl.noise.strategy import (
     BLTStrategy,
     IdentityStrategy,
@@ -10,9 +11,11 @@ from opake.dpftrl.noise.strategy import (
 from opake.dpftrl.noise.engine import mf_gaussian_noise
 
 __all__ = [
+    "BandMFStrategy",
     "BLTStrategy",
     "IdentityStrategy",
     "Mechanism",
+    "band_mf_strategy",
     "blt_strategy",
     "identity_strategy",
     "mf_gaussian_noise",
