@@ -175,11 +175,12 @@ def main(settings: DemoSettings = DemoSettings()) -> int:
           f"batch {settings.batch_size}; each image at most {participation.max_participations} times, "
           f"{participation.min_sep} steps apart; budget (epsilon={settings.epsilon:g}, "
           f"delta={settings.delta:g}), no amplification")
-    print(f"  {'method':<12} {'noise mult.':>11} {'epsilon':>8} {'lr':>6} {'val acc':>8} {'test acc':>9}")
+    print(f"  {'method':<12} {'noise mult.':>11} {'epsilon':>8} {'delta':>7} {'lr':>6} {'val acc':>8} {'test acc':>9}")
     for r in results:
         sigma = "-" if r.noise_multiplier is None else f"{r.noise_multiplier:.3f}"
         eps = "inf" if r.epsilon is None else f"{r.epsilon:.4f}"
-        print(f"  {r.method:<12} {sigma:>11} {eps:>8} {r.learning_rate:>6g} "
+        delta = "-" if r.epsilon is None else f"{settings.delta:g}"
+        print(f"  {r.method:<12} {sigma:>11} {eps:>8} {delta:>7} {r.learning_rate:>6g} "
               f"{r.validation_accuracy:>8.3f} {r.test_accuracy:>9.3f}")
     blt_result, dpsgd_result = results[0], results[1]
     print(f"\nAt the same epsilon, BLT's test accuracy is {blt_result.test_accuracy:.3f} "
