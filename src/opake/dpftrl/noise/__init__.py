@@ -9,6 +9,7 @@ from opake.dpftrl.noise.strategy import (
     identity_strategy,
 )
 from opake.dpftrl.noise.engine import mf_gaussian_noise
+from opake.dpftrl.noise.distributed import shard_mf_gaussian_noise, sharded_mf_gaussian_noise
 
 __all__ = [
     "BandMFStrategy",
@@ -19,4 +20,6 @@ __all__ = [
     "blt_strategy",
     "identity_strategy",
     "mf_gaussian_noise",
+    "shard_mf_gaussian_noise",
+    "sharded_mf_gaussian_noise",
 ]

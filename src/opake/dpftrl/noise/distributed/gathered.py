@@ -1,0 +1,238 @@
+"""Data-parallel noise with sharded state: each rank noises what it owns, one all-gather shares it.
+
+``sharded_mf_gaussian_noise(grad_template, strategy, ..., process_group=None,
+ownership="tensors")`` is the distributed form of ``mf_gaussian_noise`` for DDP-style training
+(every rank holds the same, all-reduced, clipped gradients). Every rank computes the same
+ownership map (``ownership``), keeps (B, n_owned) buffers only for its own parameters and, at
+each step, writes gradient + scale * x for them into a byte buffer; one
+``all_gather_into_tensor`` over the process group gives every rank all of them, and the
+returned pytree's leaves are views of the gathered bytes (zero-copy for whole-tensor
+ownership). The values equal ``mf_gaussian_noise``'s bit for bit on the same device type for
+any world size (noise is keyed by (key, step, parameter path, block); see ``pieces``).
+
+What travels: each rank's slot is a 32-byte header (a format tag, its state's step, the bits
+of its noise scale as float64, and a status: 0 ok, 1 its local checks failed) followed by its
+outputs, each aligned to 8 bytes, padded to the largest rank's size. Leaves in the model's
+main dtype are views of the gathered bytes; leaves in other dtypes are copied out of it (one
+storage viewed as two dtypes could not be saved with ``torch.save``). After the gather every
+rank reads all headers and raises the same ``RankDisagreementError`` when the steps or scales
+differ or a rank's checks failed (that rank re-raises its own error), so a mismatch is an error
+on every rank, never different noise, and never a hang (a failing rank still joins the
+collective). After such an error the ranks' streams are out of step: restore every rank from
+its checkpoint. Gradients must have the template's dtypes, which fixes the byte layout on all
+ranks.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import torch
+import torch.distributed as dist
+
+from opake.dpftrl.noise.distributed.agreement import (
+    RankDisagreementError,
+    check_agreement,
+    fingerprint_components,
+    group_rank_and_size,
+)
+from opake.dpftrl.noise.distributed.ownership import OWNERSHIP_MODES, map_fingerprint, ownership_map
+from opake.dpftrl.noise.distributed.pieces import Piece
+from opake.dpftrl.noise.distributed.stage import PieceStage
+from opake.dpftrl.noise.engine import _COMPUTE_DTYPES, _resolve
+from opake.dpftrl.noise.engine_layout import Layout, path_text
+from opake.dpftrl.noise.engine_state import NoiseState
+from opake.dpftrl.noise.engine_streaming import streaming_inverse
+from opake._checks import positive_finite
+from opake.dpftrl.participation import Participation
+from opake.random import RngKey
+from opake.types import ClippedPytree, NoisedPytree
+
+__all__ = ["GatheredNoise", "sharded_mf_gaussian_noise"]
+
+_HEADER_BYTES = 32
+_TAG = 0x6F70616B  # "opak"
+_ALIGN = 8
+_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _aligned(size: int) -> int:
+    return -(-size // _ALIGN) * _ALIGN
+
+
+def _byte_layout(layout: Layout, ranges) -> tuple[list, int]:
+    """For one rank's ranges: their byte offsets after the header, and the slot's total bytes."""
+    offsets, at = [], _HEADER_BYTES
+    for leaf, start, stop in ranges:
+        offsets.append(at)
+        at += _aligned((stop - start) * layout.leaves[leaf].dtype.itemsize)
+    return offsets, at
+
+
+class GatheredNoise(PieceStage):
+    """``noise_fn`` of ``sharded_mf_gaussian_noise``: ``(clipped, state) -> (NoisedPytree, state)``.
+
+    Attributes: ``rank``, ``world_size``, ``ownership`` (the map: for each rank its
+    (leaf index, start, stop) ranges), ``owned_paths`` (paths this rank computes),
+    ``local_size`` (its buffer columns), ``mechanism``, ``key``, ``dtype``.
+    """
+
+    def __init__(self, layout, mechanism, participation, noise_multiplier, key, dtype, mode, process_group):
+        rank, world_size = group_rank_and_size(process_group)
+        inverse = streaming_inverse(mechanism)
+        inverse.check_dtype(dtype)
+        check_agreement(fingerprint_components(
+            layout, str(getattr(mechanism, "fingerprint", "")), inverse, participation, noise_multiplier,
+            key, dtype, mode), process_group)
+        ranges = ownership_map(layout, world_size, mode)
+        pieces, column = [], 0
+        for leaf, start, stop in ranges[rank]:
+            pieces.append(Piece(leaf, layout.leaves[leaf], start, stop, column))
+            column += stop - start
+        super().__init__(layout, tuple(pieces), mechanism, inverse, participation, noise_multiplier, key,
+                         dtype, mode, rank, world_size, map_fingerprint(layout, ranges, mode, world_size))
+        self.ownership = ranges
+        self.process_group = process_group
+        self.owned_paths = tuple(path_text(layout.leaves[leaf].path) for leaf, _, _ in ranges[rank])
+        self._offsets = [_byte_layout(layout, r)[0] for r in ranges]
+        self._slot_bytes = max(_byte_layout(layout, r)[1] for r in ranges)
+        sizes: dict = {}
+        for slot in layout.leaves:
+            sizes[slot.dtype] = sizes.get(slot.dtype, 0) + slot.numel
+        self._main_dtype = max(sizes, key=lambda dtype: (sizes[dtype], str(dtype)))
+
+    def __call__(self, clipped: ClippedPytree, state: NoiseState) -> tuple[NoisedPytree, NoiseState]:
+        with torch.no_grad():
+            return self._step(clipped, state)
+
+    def _local_checks(self, clipped, state):
+        self.check_state(state)
+        self.check_clipped(clipped)
+        leaves = self.layout.flatten_gradients(clipped.pytree)
+        for slot, leaf in zip(self.layout.leaves, leaves):
+            if leaf.dtype != slot.dtype:
+                raise ValueError(
+                    f"gradient {path_text(slot.path)!r} has dtype {leaf.dtype} but grad_template has "
+                    f"{slot.dtype}; the distributed stage shares outputs in the template's dtypes, so "
+                    f"build it from a template with the gradients' dtypes"
+                )
+        gradients = [leaves[p.leaf].reshape(-1).narrow(0, p.start, p.length) for p in self.pieces]
+        self.check_finite(gradients)
+        return gradients, self.noise_multiplier * clipped.l2_bound / clipped.normalization
+
+    def _step(self, clipped, state):
+        send = torch.empty(self._slot_bytes, dtype=torch.uint8, device=self.device)
+        step = state.step if isinstance(state, NoiseState) else -1
+        failure, scale, new_state = None, 0.0, None
+        try:
+            gradients, scale = self._local_checks(clipped, state)
+        except (ValueError, TypeError, RuntimeError) as error:
+            failure = error
+        header = struct.pack("<qqdq", _TAG, step, scale, 0 if failure is None else 1)
+        send[:_HEADER_BYTES].copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
+        if failure is None:
+            outputs = [self._view(send, offset, piece)
+                       for offset, piece in zip(self._offsets[self.rank], self.pieces)]
+            new_state = self.run(state, gradients, outputs, scale)
+        if self.world_size == 1:
+            gathered = send  # nothing to share
+        else:
+            gathered = torch.empty(self._slot_bytes * self.world_size, dtype=torch.uint8, device=self.device)
+            _gather(gathered, send, group=self.process_group)                   # the one collective
+        slots = gathered.view(self.world_size, self._slot_bytes)
+        headers = [struct.unpack("<qqdq", bytes(slots[r, :_HEADER_BYTES].cpu().numpy()))
+                   for r in range(self.world_size)]
+        self._agree(headers, failure)
+        return NoisedPytree(pytree=self._unpack(slots), step=step), new_state
+
+    def _agree(self, headers, failure) -> None:
+        failed = [r for r, h in enumerate(headers) if h[3] != 0 or h[0] != _TAG]
+        if failure is not None:
+            raise failure
+        if failed:
+            raise RankDisagreementError(
+                f"rank(s) {failed} refused this step (see the error raised there); no rank returns "
+                f"noise for it. Restore every rank from its checkpoint after fixing the cause"
+            )
+        steps = [h[1] for h in headers]
+        if len(set(steps)) > 1:
+            raise RankDisagreementError(
+                f"the ranks are at different steps (step by rank: {steps}), so their noise would not "
+                f"match; resume every rank from checkpoints saved at the same step"
+            )
+        scales = [h[2] for h in headers]
+        if len(set(scales)) > 1:
+            raise RankDisagreementError(
+                f"the ranks use different noise scales noise_multiplier * l2_bound / normalization "
+                f"(by rank: {scales}); pass the same l2_bound and normalization on every rank"
+            )
+
+    def _view(self, buffer: torch.Tensor, offset: int, piece: Piece) -> torch.Tensor:
+        dtype = piece.slot.dtype
+        return buffer.narrow(0, offset, piece.length * dtype.itemsize).view(dtype)
+
+    def _unpack(self, slots: torch.Tensor):
+        parts: list[list] = [[] for _ in self.layout.leaves]
+        for rank, ranges in enumerate(self.ownership):
+            for offset, (leaf, start, stop) in zip(self._offsets[rank], ranges):
+                dtype = self.layout.leaves[leaf].dtype
+                parts[leaf].append((start, slots[rank].narrow(0, offset, (stop - start) * dtype.itemsize).view(dtype)))
+        outputs = []
+        for slot, pieces in zip(self.layout.leaves, parts):
+            pieces.sort(key=lambda item: item[0])
+            if not pieces:
+                flat = torch.empty(0, dtype=slot.dtype, device=self.device)
+            elif len(pieces) == 1:
+                flat = pieces[0][1]
+            else:
+                flat = torch.cat([piece for _, piece in pieces])
+            if slot.dtype != self._main_dtype and flat.untyped_storage().data_ptr() == slots.untyped_storage().data_ptr():
+                flat = flat.clone()  # one storage must not be viewed as two dtypes (torch.save refuses)
+            outputs.append(flat.view(slot.shape))
+        return self.layout.treespec.unflatten(outputs)
+
+
+def _validated(grad_template, strategy, n_steps, min_sep, max_participations, noise_multiplier, key, dtype):
+    if not isinstance(key, RngKey):
+        raise TypeError(
+            f"key must be an opake.random.RngKey, e.g. key=opake.random.key(42); got {type(key).__name__}"
+        )
+    if dtype not in _COMPUTE_DTYPES:
+        raise ValueError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
+    sigma = positive_finite("noise_multiplier", noise_multiplier,
+                            "calibrate it to the privacy budget with opake.accounting.calibrate")
+    participation = Participation(n_steps, min_sep, max_participations)
+    layout = Layout.from_template(grad_template)
+    return layout, _resolve(strategy, participation), participation, sigma
+
+
+def sharded_mf_gaussian_noise(
+    grad_template,
+    strategy,
+    *,
+    n_steps: int,
+    min_sep: int = 1,
+    max_participations: int | None = None,
+    noise_multiplier: float,
+    key: RngKey,
+    process_group=None,
+    ownership: str = "tensors",
+    dtype: torch.dtype = torch.float32,
+) -> tuple[GatheredNoise, NoiseState]:
+    """``mf_gaussian_noise`` for data-parallel training, with the noise state sharded over ranks.
+
+    Call it on every rank of ``process_group`` (default: the world) with the same arguments;
+    it checks, with one collective, that they agree. ``ownership``: ``"tensors"`` (each rank
+    owns whole tensors, greedy-balanced by size) or ``"blocks"`` (contiguous runs of 2**20-element
+    noise blocks, for models dominated by a few huge tensors). Each rank's state holds
+    (B, n_owned) buffers; ``noise_fn(clipped, state)`` returns on every rank the full noisy
+    gradients, identical on all ranks and to ``mf_gaussian_noise`` with the same key, using one
+    all-gather per step. Checkpoint with ``state.state_dict()`` on each rank and resume with
+    ``noise_fn.load_state_dict(saved)`` at the same world size.
+    """
+    if ownership not in OWNERSHIP_MODES:
+        raise ValueError(f"ownership must be one of {OWNERSHIP_MODES}, got {ownership!r}")
+    layout, mechanism, participation, sigma = _validated(
+        grad_template, strategy, n_steps, min_sep, max_participations, noise_multiplier, key, dtype)
+    noise_fn = GatheredNoise(layout, mechanism, participation, sigma, key, dtype, ownership, process_group)
+    return noise_fn, noise_fn.init()

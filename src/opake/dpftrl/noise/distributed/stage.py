@@ -1,0 +1,157 @@
+"""What the two distributed noise stages share: configuration, local state, checks, resume.
+
+A rank's state is an ordinary ``engine_state.NoiseState`` whose buffers are (B, n_local), the
+columns of the pieces this rank computes, and whose ``layout_fingerprint`` reads
+``"distributed:<mode>:world_size=<W>:rank=<r>:<hash of the whole ownership map>"``. So
+``state.state_dict()`` / ``torch.save`` work as for one process, each rank saving its part,
+and ``noise_fn.load_state_dict(saved)`` refuses, with a message naming the difference, a
+checkpoint from another world size, rank or ownership mode before the generic checks (key,
+mechanism, horizon, ...).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from opake.dpftrl.noise.distributed.pieces import Piece, PieceStream
+from opake.dpftrl.noise.engine_layout import Layout, path_text
+from opake.dpftrl.noise.engine_state import NoiseHorizonError, NoiseState, _Storage
+from opake.types import ClippedPytree
+
+__all__ = ["DistributedCheckpointError", "PieceStage"]
+
+_PREFIX = "distributed"
+
+
+class DistributedCheckpointError(ValueError):
+    """A checkpoint from another world size, rank or ownership mode."""
+
+
+def _parse(fingerprint) -> dict | None:
+    if not isinstance(fingerprint, str) or not fingerprint.startswith(_PREFIX + ":"):
+        return None
+    parts = fingerprint.split(":")
+    if len(parts) != 5:
+        return None
+    return {"mode": parts[1], "world_size": parts[2].partition("=")[2], "rank": parts[3].partition("=")[2]}
+
+
+class PieceStage:
+    """Base of the distributed stages: owns ``pieces`` of ``layout`` on ``rank`` of ``world_size``."""
+
+    def __init__(self, layout: Layout, pieces: tuple[Piece, ...], mechanism, inverse, participation,
+                 noise_multiplier: float, key, dtype: torch.dtype, mode: str, rank: int,
+                 world_size: int, map_hash: str):
+        self.layout = layout
+        self.pieces = pieces
+        self.mechanism = mechanism
+        self.inverse = inverse
+        self.participation = participation
+        self.noise_multiplier = noise_multiplier
+        self.key = key
+        self.dtype = dtype
+        self.device = layout.device
+        self.rank = rank
+        self.world_size = world_size
+        self.mode = mode
+        self.stream = PieceStream(pieces, inverse, key, dtype, layout.device)
+        self.local_size = self.stream.size
+        self._mechanism_fingerprint = str(getattr(mechanism, "fingerprint", ""))
+        self._layout_fingerprint = f"{_PREFIX}:{mode}:world_size={world_size}:rank={rank}:{map_hash}"
+
+    def init(self) -> NoiseState:
+        """A fresh state: zero (B, n_local) buffers, step 0."""
+        buffers = torch.zeros((self.inverse.num_buffers, self.local_size), dtype=self.dtype, device=self.device)
+        return NoiseState(
+            0, self.participation.n_steps, self.key, self.noise_multiplier, self._mechanism_fingerprint,
+            self._layout_fingerprint, self.inverse, _Storage(buffers, 0), self,
+        )
+
+    def load_state_dict(self, state_dict: dict) -> NoiseState:
+        """This rank's state saved by ``state.state_dict()``, checked against this stage."""
+        saved = _parse(state_dict.get("layout_fingerprint")) if isinstance(state_dict, dict) else None
+        if saved is None:
+            raise DistributedCheckpointError(
+                "this checkpoint was not saved by a distributed noise stage (a single-process "
+                "state, or not a noise state); load it with the engine that saved it"
+            )
+        for name, mine in (("ownership", self.mode), ("world_size", str(self.world_size)), ("rank", str(self.rank))):
+            theirs = saved["mode" if name == "ownership" else name]
+            if theirs != mine:
+                raise DistributedCheckpointError(
+                    f"this checkpoint was saved with {name}={theirs} but this run has {name}={mine}; "
+                    f"each rank saves only the noise buffers of what it owns, so resume with the "
+                    f"same world size and ownership, each rank loading its own file"
+                )
+        return self.init().load_state_dict(state_dict)
+
+    # -- checks (all run before any buffer is written) ----------------------------------------
+
+    def check_state(self, state) -> None:
+        if not isinstance(state, NoiseState):
+            raise TypeError(
+                f"noise_fn's second argument must be the NoiseState returned when the stage was "
+                f"built or by the previous noise_fn call, got {type(state).__name__}"
+            )
+        state.require_current()
+        if state._origin is not self:
+            buffers = state.buffers
+            mismatches = [
+                name for name, mine, theirs in (
+                    ("key", self.key, state.key),
+                    ("mechanism", self._mechanism_fingerprint, state.mechanism_fingerprint),
+                    ("parameter layout / ownership", self._layout_fingerprint, state.layout_fingerprint),
+                    ("n_steps", self.participation.n_steps, state.n_steps),
+                    ("noise_multiplier", self.noise_multiplier, state.noise_multiplier),
+                    ("streaming inverse", self.inverse, state.inverse),
+                    ("buffer shape", (self.inverse.num_buffers, self.local_size), tuple(buffers.shape)),
+                    ("buffer dtype", self.dtype, buffers.dtype),
+                    ("buffer device", self.device, buffers.device),
+                ) if mine != theirs
+            ]
+            if mismatches:
+                raise ValueError(
+                    f"this noise state belongs to a different noise stage (differs in: "
+                    f"{', '.join(mismatches)}); pass the state this stage returned"
+                )
+        n_steps = self.participation.n_steps
+        if state.step >= n_steps:
+            raise NoiseHorizonError(
+                f"noise_fn was called for step {state.step + 1} (1-based) but the mechanism was built "
+                f"for n_steps={n_steps}, and the privacy accounting assumed n_steps={n_steps}: all of "
+                f"its noise is used. To train longer, build the strategy, accounting and engine for "
+                f"a larger n_steps"
+            )
+
+    @staticmethod
+    def check_clipped(clipped) -> None:
+        if not isinstance(clipped, ClippedPytree):
+            raise TypeError(
+                f"noise_fn needs an opake.types.ClippedPytree, which carries the L2 bound that "
+                f"scales the noise; got {type(clipped).__name__}. Wrap gradients you clipped "
+                f"yourself with opake.types.clipped(pytree, l2_bound=..., normalization=...)"
+            )
+
+    def check_finite(self, gradients) -> None:
+        """``gradients``: the 1-D gradient stretch of each owned piece."""
+        for piece, gradient in zip(self.pieces, gradients):
+            if gradient.numel() and not all(math.isfinite(v.item()) for v in torch.aminmax(gradient)):
+                raise ValueError(
+                    f"the gradients contain NaN or inf (in {path_text(piece.slot.path)!r}); noise "
+                    f"cannot make them private. Check the loss and the clipping before calling noise_fn"
+                )
+
+    def run(self, state: NoiseState, gradients, outputs, scale: float) -> NoiseState:
+        """Advance ``state``'s buffers into ``outputs`` (as the engine does: a call interrupted
+        while writing marks the storage corrupted) and return the next state."""
+        storage, step = state._storage, state.step
+        storage.step = -1
+        try:
+            self.stream.advance(gradients, outputs, storage.buffers, step, scale)
+        except BaseException:
+            storage.corrupted_at = step
+            raise
+        storage.step = step
+        return state.advanced()

@@ -1,0 +1,135 @@
+"""Spawnable workers for test_distributed.py: one gloo process group, every scenario in turn.
+
+Each rank writes a dict of results (noisy outputs, buffer shapes, caught errors) to
+``out_dir/rank{r}.pt``; the test process compares them with single-process noise.
+"""
+
+from __future__ import annotations
+
+import os
+
+import optree
+import torch
+import torch.distributed as dist
+
+from opake.dpftrl.noise.distributed import (
+    even_shards,
+    shard_mf_gaussian_noise,
+    sharded_mf_gaussian_noise,
+)
+from opake.random import key
+from opake.types import clipped
+from test_engine_support import hand_blt
+
+STEPS = 5
+SIGMA = 1.3
+L2 = 0.7
+
+
+def template():
+    return {
+        "emb": torch.zeros(300, 7),
+        "big": torch.zeros(2**20 + 3000),
+        "layers": [{"w": torch.zeros(64, 33), "b": torch.zeros(33)}, {"w": torch.zeros(33, 5)}],
+        "half": torch.zeros(50, dtype=torch.bfloat16),
+    }
+
+
+def gradients(step: int):
+    generator = torch.Generator().manual_seed(1000 + step)
+    tree = template()
+
+    def fill(leaf):
+        return torch.randn(leaf.shape, generator=generator).to(leaf.dtype)
+
+    return optree.tree_map(fill, tree)
+
+
+def strategy():
+    return hand_blt("three_buffers")
+
+
+def build(ownership="tensors", seed=0, tmpl=None, strat=None):
+    return sharded_mf_gaussian_noise(tmpl or template(), strat or strategy(), n_steps=STEPS, noise_multiplier=SIGMA,
+                                     key=key(seed), ownership=ownership)
+
+
+def run_steps(noise_fn, state, steps):
+    outputs = []
+    for step in steps:
+        noisy, state = noise_fn(clipped(gradients(step), L2), state)
+        outputs.append(noisy.pytree)
+    return outputs, state
+
+
+def _caught(call):
+    try:
+        call()
+    except Exception as error:  # recorded for the test process to match
+        return type(error).__name__, str(error)
+    return None
+
+
+def worker(rank: int, world_size: int, init_file: str, out_dir: str, foreign_checkpoint: str | None):
+    torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank, world_size=world_size)
+    results = {}
+    try:
+        for ownership in ("tensors", "blocks"):
+            noise_fn, state = build(ownership)
+            results[f"{ownership}_buffers"] = tuple(state.buffers.shape)
+            results[f"{ownership}_map"] = noise_fn.ownership
+            outputs, _ = run_steps(noise_fn, state, range(STEPS))
+            results[ownership] = outputs
+
+        # Checkpoint after 3 steps, continue; then resume a new stage from the file.
+        noise_fn, state = build()
+        _, state = run_steps(noise_fn, state, range(3))
+        path = os.path.join(out_dir, f"checkpoint_rank{rank}.pt")
+        torch.save(state.state_dict(), path)
+        results["continued"], _ = run_steps(noise_fn, state, range(3, STEPS))
+        fresh_fn, _ = build()
+        resumed = fresh_fn.load_state_dict(torch.load(path, weights_only=True))
+        results["resumed"], _ = run_steps(fresh_fn, resumed, range(3, STEPS))
+        if foreign_checkpoint is not None:
+            results["foreign"] = _caught(lambda: fresh_fn.load_state_dict(torch.load(foreign_checkpoint,
+                                                                                     weights_only=True)))
+
+        # Disagreements: every rank must raise, none may hang or return noise.
+        results["bad_key"] = _caught(lambda: build(seed=1 if rank == 0 else 0))
+        other = hand_blt("one_buffer") if rank == world_size - 1 else None
+        results["bad_strategy"] = _caught(lambda: build(strat=other))
+        shapes = template()
+        if rank == 1:
+            shapes["emb"] = torch.zeros(301, 7)
+        results["bad_parameters"] = _caught(lambda: build(tmpl=shapes))
+        noise_fn, state = build()
+        if rank == 0:
+            state = noise_fn.load_state_dict(torch.load(path, weights_only=True))
+        results["bad_step"] = _caught(lambda: noise_fn(clipped(gradients(0), L2), state))
+        noise_fn, state = build()
+        grads = gradients(0)
+        if rank == 1:  # NaN everywhere on rank 1 (each rank reads only the leaves it owns)
+            for leaf in optree.tree_leaves(grads):
+                leaf.view(-1)[0] = float("nan")
+        results["bad_gradients"] = _caught(lambda: noise_fn(clipped(grads, L2), state))
+        noise_fn, state = build()
+        results["bad_scale"] = _caught(lambda: noise_fn(clipped(gradients(0), L2 * (1 + rank)), state))
+
+        # FSDP-style shards: no collective per step.
+        shards = even_shards(template(), rank, world_size)
+        noise_fn, state = shard_mf_gaussian_noise(template(), strategy(), shards=shards, n_steps=STEPS,
+                                                  noise_multiplier=SIGMA, key=key(0))
+        results["shard_ranges"] = noise_fn.ranges
+        results["shard_buffers"] = tuple(state.buffers.shape)
+        outs = []
+        for step in range(STEPS):
+            full = gradients(step)
+            pieces = optree.tree_map(lambda g, s: g.reshape(-1)[s], full, shards)
+            noisy, state = noise_fn(clipped(pieces, L2), state)
+            outs.append(noisy.pytree)
+        results["shards"] = outs
+    finally:
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.destroy_process_group()
