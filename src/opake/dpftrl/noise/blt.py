@@ -233,8 +233,11 @@ def _inverse_roots(leak: np.ndarray, omega: np.ndarray):
         for j in range(B):
             lo = np.nextafter(q[j], np.inf)
             hi = q[0] + 2.0 * w.sum() if j == 0 else np.nextafter(q[j - 1], -np.inf)  # f(hi) >= 1/2 for j = 0
-            f_hi = f(hi)
-            delta[j] = hi if f_hi == 0 else brentq(f, lo, hi, xtol=1e-300, rtol=4 * np.finfo(float).eps, maxiter=500)
+            if hi <= lo or f(hi) <= 0 or f(lo) >= 0:
+                delta[j] = lo  # the bracket is narrower than rounding: the root is q_j to 1 ulp
+                continue
+            # maxiter: a root near a tiny 1 - theta can take ~1100 bisections from a bracket of width 1
+            delta[j] = brentq(f, lo, hi, xtol=1e-300, rtol=4 * np.finfo(float).eps, maxiter=4000)
     else:
         theta = 1.0 - q
         eig = np.linalg.eigvals(np.diag(theta) - np.outer(w, np.ones(B)))
@@ -327,7 +330,17 @@ def per_query_errors_arrays(leaks, weights, n: int, lr_schedule=None):
     return rows
 
 
+def _reduced(params: BLTParams) -> BLTParams:
+    """The same C with buffers of omega = 0 dropped and equal decays merged (omegas added)."""
+    keep = params.omega != 0
+    theta, where = np.unique(params.theta[keep], return_inverse=True)
+    omega = np.zeros(theta.shape[0])
+    np.add.at(omega, where.reshape(-1), params.omega[keep])
+    return BLTParams(theta, omega)
+
+
 def _workload(params: BLTParams, momentum: float):
+    params = _reduced(params)  # the inverse needs distinct decays; C is unchanged
     delta, omega_hat = _inverse_roots(params.one_minus_theta, params.omega)
     return workload_terms_arrays(params.one_minus_theta, delta, omega_hat, float(momentum))
 
