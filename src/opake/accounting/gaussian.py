@@ -35,12 +35,19 @@ def gaussian_log_delta(noise_multiplier: float, epsilon: float) -> float:
     No argument checks (hot path of the root finders); callers validate.
     """
     mu = 1.0 / noise_multiplier
+    a, b = 0.5 * mu - epsilon / mu, -0.5 * mu - epsilon / mu
     # delta = Phi(a) - e^eps Phi(b) = Phi(a) * (1 - exp(eps + ln Phi(b) - ln Phi(a)))
-    log_phi_a = float(log_ndtr(0.5 * mu - epsilon / mu))
-    log_phi_b = float(log_ndtr(-0.5 * mu - epsilon / mu))
-    x = epsilon + log_phi_b - log_phi_a
-    if x >= 0.0:  # only reachable through rounding when delta is below ~1e-300
+    log_phi_a = float(log_ndtr(a))
+    if log_phi_a == -math.inf:  # Phi(a) underflows: delta <= Phi(a) < 1e-308
         return -math.inf
+    log_phi_b = float(log_ndtr(b))
+    x = epsilon + log_phi_b - log_phi_a
+    if not x < 0.0:
+        # Phi(a) and Phi(b) agree to rounding (mu tiny). Never report less than the truth:
+        # delta <= Phi(a) - Phi(b) <= (a - b) * max of the normal density on [b, a].
+        nearest = min(max(0.0, b), a)
+        # (+1e-12: the log/exp round trip must not round the bound below the truth)
+        return math.log(mu) - 0.5 * nearest * nearest - 0.5 * math.log(2.0 * math.pi) + 1e-12
     return log_phi_a + _log_one_minus_exp(x)
 
 

@@ -325,9 +325,14 @@ def clipped_grad(
 
         norms = torch.linalg.vector_norm(_leaf_norms(flat_leaves, device, compute_dtype), dim=1)
         finite = torch.isfinite(norms)
-        suspect = torch.nonzero(~finite).flatten().tolist()  # synchronizes; usually empty
+        # Squares of elements below sqrt(tiny) underflow, so a norm this small may read as 0
+        # (a gradient of 1e-24 against a bound of 1e-25 would pass unclipped): recompute too.
+        tiny = max(torch.finfo(f.dtype if f.dtype in (torch.float32, torch.float64) else torch.float32).tiny
+                   for f in flat_leaves)
+        suspect = torch.nonzero(~finite | (norms < math.sqrt(tiny) * 2.0**10)).flatten().tolist()
         if suspect:
-            # A leaf norm overflowed its dtype, or an element is NaN/inf: recompute with rescaling.
+            # A leaf norm overflowed or underflowed its dtype, or an element is NaN/inf:
+            # recompute with max-abs rescaling in the compute dtype.
             rows = torch.tensor(suspect, device=device)
             norms = norms.index_put((rows,), _rescaled_norms(flat_leaves, suspect, device, compute_dtype))
             finite = torch.isfinite(norms)

@@ -17,6 +17,7 @@ input (see ``geometric``), which is how the optimizer gets exact gradients.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import numpy as np
@@ -71,6 +72,15 @@ class BLTParams:
         return f"BLTParams(theta={self.theta.tolist()}, omega={self.omega.tolist()})"
 
 
+def _horizon(n, name: str = "n") -> int:
+    """A horizon (number of steps) as a positive int, or a TypeError/ValueError naming it."""
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral):
+        raise TypeError(f"{name} must be an integer number of steps, got {n!r} ({type(n).__name__})")
+    if n < 1:
+        raise ValueError(f"{name} must be >= 1, got {n}")
+    return int(n)
+
+
 def _pairs(x):
     return x[..., :, None], x[..., None, :]
 
@@ -85,7 +95,7 @@ def _sum_pairs(x):
 
 def coefficients(params: BLTParams, n: int) -> np.ndarray:
     """c_0..c_{n-1} of C."""
-    n = int(n)
+    n = _horizon(n)
     c = np.zeros(n)
     if n == 0:
         return c
@@ -194,7 +204,7 @@ def sensitivity_squared(params: BLTParams, n_steps: int | None = None) -> float:
         if np.any((q_pair <= 0) & (w2 != 0)):
             return float("inf")
         return float(1.0 + np.sum(w2 / np.where(q_pair > 0, q_pair, 1.0)))
-    return minsep_sensitivity_squared(params, Participation(int(n_steps), 1, 1))
+    return minsep_sensitivity_squared(params, Participation(_horizon(n_steps, "n_steps"), 1, 1))
 
 
 def minsep_sensitivity_squared(params: BLTParams, participation: Participation) -> float:
@@ -266,9 +276,10 @@ def inverse_coefficients(params: BLTParams, n: int) -> np.ndarray:
     x_t = y_t - sum_i omega_i S_i, then S_i <- theta_i S_i + x_t (buffers hold past outputs).
     """
     theta, omega = params.theta, params.omega
+    n = _horizon(n)
     state = np.zeros(params.num_buffers)
-    out = np.empty(int(n))
-    for t in range(int(n)):
+    out = np.empty(n)
+    for t in range(n):
         x = (1.0 if t == 0 else 0.0) - float(np.dot(omega, state))
         out[t] = x
         state = theta * state + x
@@ -331,8 +342,15 @@ def per_query_errors_arrays(leaks, weights, n: int, lr_schedule=None):
 
 
 def _reduced(params: BLTParams) -> BLTParams:
-    """The same C with buffers of omega = 0 dropped and equal decays merged (omegas added)."""
-    keep = params.omega != 0
+    """C for the errors: equal decays merged (omegas added), negligible buffers dropped.
+
+    A buffer with |omega| below 1e-14 of the largest changes every coefficient of C by less than
+    1e-14 relative, but its inverse decay sits within rounding of its own decay, where the
+    roots lose their accuracy. Errors are utility, never privacy: sensitivity always uses every
+    buffer.
+    """
+    scale = np.max(np.abs(params.omega)) if params.num_buffers else 0.0
+    keep = np.abs(params.omega) > 1e-14 * scale
     theta, where = np.unique(params.theta[keep], return_inverse=True)
     omega = np.zeros(theta.shape[0])
     np.add.at(omega, where.reshape(-1), params.omega[keep])
@@ -347,14 +365,14 @@ def _workload(params: BLTParams, momentum: float):
 
 def max_error(params: BLTParams, n: int, momentum: float = 1.0) -> float:
     """max_t of the squared prefix-sum error of C^{-1} (BLT24 Lemma 5.4), weighted by M_beta."""
-    return float(error_arrays(*_workload(params, momentum), int(n), "max"))
+    return float(error_arrays(*_workload(params, momentum), _horizon(n), "max"))
 
 
 def mean_error(params: BLTParams, n: int, momentum: float = 1.0) -> float:
     """mean_t of the squared prefix-sum error of C^{-1}, weighted by M_beta."""
-    return float(error_arrays(*_workload(params, momentum), int(n), "mean"))
+    return float(error_arrays(*_workload(params, momentum), _horizon(n), "mean"))
 
 
 def per_query_errors(params: BLTParams, n: int, momentum: float = 1.0, lr_schedule=None) -> np.ndarray:
     """e_t = ||row t of D_eta M_beta C^{-1}||^2 for t < n, O(nB)."""
-    return per_query_errors_arrays(*_workload(params, momentum), int(n), lr_schedule)
+    return per_query_errors_arrays(*_workload(params, momentum), _horizon(n), lr_schedule)
