@@ -51,7 +51,7 @@ from opake.dpftrl.noise.engine_draws import BLOCK_ELEMENTS, BlockSampler
 from opake.dpftrl.noise.engine_layout import Layout, path_text
 from opake.dpftrl.noise.engine_pages import advise_huge_pages
 from opake.dpftrl.noise.engine_plan import plan_step
-from opake.dpftrl.noise.engine_state import NoiseHorizonError, NoiseState, _Storage
+from opake.dpftrl.noise.engine_state import NoiseState, _Storage
 from opake.dpftrl.noise.engine_streaming import streaming_inverse
 from opake._checks import positive_finite
 from opake.dpftrl.participation import Participation
@@ -169,38 +169,19 @@ class CorrelatedNoise:
             )
         state.require_current()
         if state._origin is not self:
-            self._check_configuration(state)
-        n_steps = self.participation.n_steps
-        if state.step >= n_steps:
-            raise NoiseHorizonError(
-                f"noise_fn was called for step {state.step + 1} (1-based) but the mechanism was built "
-                f"for n_steps={n_steps}, and the privacy accounting assumed n_steps={n_steps}: all of "
-                f"its noise is used. To train longer, build the strategy, accounting and engine for "
-                f"a larger n_steps"
+            # a state from elsewhere (e.g. unpickled): its buffers must fit this engine
+            mismatches = state.mismatches(
+                key=self.key, mechanism=self._fingerprint, layout=self.layout.fingerprint,
+                n_steps=self.participation.n_steps, noise_multiplier=self.noise_multiplier,
+                inverse=self.inverse, columns=self.size, dtype=self.dtype, device=self.device,
             )
-
-    def _check_configuration(self, state: NoiseState) -> None:
-        """Refuse a state (e.g. unpickled) whose buffers belong to another engine configuration."""
-        buffers = state.buffers
-        mismatches = [
-            name for name, mine, theirs in (
-                ("key", self.key, state.key),
-                ("mechanism", self._fingerprint, state.mechanism_fingerprint),
-                ("parameter layout", self.layout.fingerprint, state.layout_fingerprint),
-                ("n_steps", self.participation.n_steps, state.n_steps),
-                ("noise_multiplier", self.noise_multiplier, state.noise_multiplier),
-                ("streaming inverse", self.inverse, state.inverse),
-                ("buffer shape", (self.inverse.num_buffers, self.size), tuple(buffers.shape)),
-                ("buffer dtype", self.dtype, buffers.dtype),
-                ("buffer device", self.device, buffers.device),
-            ) if mine != theirs
-        ]
-        if mismatches:
-            raise ValueError(
-                f"this noise state belongs to a different noise engine (differs in: "
-                f"{', '.join(mismatches)}); pass the state returned by this engine's "
-                f"mf_gaussian_noise or noise_fn calls"
-            )
+            if mismatches:
+                raise ValueError(
+                    f"this noise state belongs to a different noise engine (differs in: "
+                    f"{', '.join(mismatches)}); pass the state returned by this engine's "
+                    f"mf_gaussian_noise or noise_fn calls"
+                )
+        state.require_before_horizon()
 
     def _check_gradients(self, clipped) -> list[torch.Tensor]:
         if not isinstance(clipped, ClippedPytree):
@@ -385,6 +366,16 @@ def mf_gaussian_noise(
 
     ``noise_fn(clipped, state)`` refuses step n_steps + 1 (``NoiseHorizonError``).
     """
+    layout, mechanism, participation, sigma = validated_arguments(
+        grad_template, strategy, n_steps, min_sep, max_participations, noise_multiplier, key, dtype
+    )
+    noise_fn = CorrelatedNoise(layout, mechanism, participation, sigma, key, dtype)
+    return noise_fn, noise_fn.init()
+
+
+def validated_arguments(grad_template, strategy, n_steps, min_sep, max_participations, noise_multiplier,
+                        key, dtype):
+    """The checked (layout, mechanism, participation, noise multiplier) of a noise stage."""
     if not isinstance(key, RngKey):
         raise TypeError(
             f"key must be an opake.random.RngKey, e.g. key=opake.random.key(42); got {type(key).__name__}"
@@ -395,6 +386,4 @@ def mf_gaussian_noise(
                             "calibrate it to the privacy budget with opake.accounting.calibrate")
     participation = Participation(n_steps, min_sep, max_participations)
     layout = Layout.from_template(grad_template)
-    mechanism = _resolve(strategy, participation)
-    noise_fn = CorrelatedNoise(layout, mechanism, participation, sigma, key, dtype)
-    return noise_fn, noise_fn.init()
+    return layout, _resolve(strategy, participation), participation, sigma

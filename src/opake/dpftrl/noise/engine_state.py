@@ -95,6 +95,34 @@ class NoiseState:
         """True while no call has advanced (or corrupted) this state's buffers."""
         return self._storage.step == self.step and self._storage.corrupted_at is None
 
+    def mismatches(self, *, key, mechanism, layout, n_steps, noise_multiplier, inverse, columns,
+                   dtype, device) -> list:
+        """Names of the settings in which this state differs from the given stage's."""
+        buffers = self._storage.buffers
+        return [
+            name for name, mine, theirs in (
+                ("key", key, self.key),
+                ("mechanism", mechanism, self.mechanism_fingerprint),
+                ("parameter layout", layout, self.layout_fingerprint),
+                ("n_steps", n_steps, self.n_steps),
+                ("noise_multiplier", noise_multiplier, self.noise_multiplier),
+                ("streaming inverse", inverse, self.inverse),
+                ("buffer shape", (inverse.num_buffers, columns), tuple(buffers.shape)),
+                ("buffer dtype", dtype, buffers.dtype),
+                ("buffer device", device, buffers.device),
+            ) if mine != theirs
+        ]
+
+    def require_before_horizon(self) -> None:
+        """Raise NoiseHorizonError once all n_steps steps of noise are used."""
+        if self.step >= self.n_steps:
+            raise NoiseHorizonError(
+                f"noise_fn was called for step {self.step + 1} (1-based) but the mechanism was built "
+                f"for n_steps={self.n_steps}, and the privacy accounting assumed n_steps={self.n_steps}: "
+                f"all of its noise is used. To train longer, build the strategy, accounting and engine "
+                f"for a larger n_steps"
+            )
+
     def require_current(self) -> None:
         """Raise unless this state's buffers still hold step ``step``."""
         storage = self._storage

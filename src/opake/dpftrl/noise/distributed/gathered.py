@@ -39,12 +39,10 @@ from opake.dpftrl.noise.distributed.agreement import (
 from opake.dpftrl.noise.distributed.ownership import OWNERSHIP_MODES, map_fingerprint, ownership_map
 from opake.dpftrl.noise.distributed.pieces import Piece
 from opake.dpftrl.noise.distributed.stage import PieceStage
-from opake.dpftrl.noise.engine import _COMPUTE_DTYPES, _resolve
+from opake.dpftrl.noise.engine import validated_arguments
 from opake.dpftrl.noise.engine_layout import Layout, path_text
 from opake.dpftrl.noise.engine_state import NoiseState
 from opake.dpftrl.noise.engine_streaming import streaming_inverse
-from opake._checks import positive_finite
-from opake.dpftrl.participation import Participation
 from opake.random import RngKey
 from opake.types import ClippedPytree, NoisedPytree
 
@@ -192,20 +190,6 @@ class GatheredNoise(PieceStage):
         return self.layout.treespec.unflatten(outputs)
 
 
-def _validated(grad_template, strategy, n_steps, min_sep, max_participations, noise_multiplier, key, dtype):
-    if not isinstance(key, RngKey):
-        raise TypeError(
-            f"key must be an opake.random.RngKey, e.g. key=opake.random.key(42); got {type(key).__name__}"
-        )
-    if dtype not in _COMPUTE_DTYPES:
-        raise ValueError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
-    sigma = positive_finite("noise_multiplier", noise_multiplier,
-                            "calibrate it to the privacy budget with opake.accounting.calibrate")
-    participation = Participation(n_steps, min_sep, max_participations)
-    layout = Layout.from_template(grad_template)
-    return layout, _resolve(strategy, participation), participation, sigma
-
-
 def sharded_mf_gaussian_noise(
     grad_template,
     strategy,
@@ -232,7 +216,7 @@ def sharded_mf_gaussian_noise(
     """
     if ownership not in OWNERSHIP_MODES:
         raise ValueError(f"ownership must be one of {OWNERSHIP_MODES}, got {ownership!r}")
-    layout, mechanism, participation, sigma = _validated(
+    layout, mechanism, participation, sigma = validated_arguments(
         grad_template, strategy, n_steps, min_sep, max_participations, noise_multiplier, key, dtype)
     noise_fn = GatheredNoise(layout, mechanism, participation, sigma, key, dtype, ownership, process_group)
     return noise_fn, noise_fn.init()

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from opake.dpftrl.noise.distributed.agreement import check_agreement, fingerprint_components
-from opake.dpftrl.noise.distributed.gathered import _validated
+from opake.dpftrl.noise.engine import validated_arguments
 from opake.dpftrl.noise.distributed.ownership import map_fingerprint
 from opake.dpftrl.noise.distributed.pieces import Piece
 from opake.dpftrl.noise.distributed.stage import PieceStage
@@ -122,7 +122,7 @@ def shard_mf_gaussian_noise(
     ``slice(start, stop)`` element ranges (``opake.dpftrl.noise.distributed.even_shards(template,
     rank, world_size)`` for FSDP's even split). The state holds (B, n_shard) buffers.
     """
-    layout, mechanism, participation, sigma = _validated(
+    layout, mechanism, participation, sigma = validated_arguments(
         grad_template, strategy, n_steps, min_sep, max_participations, noise_multiplier, key, dtype)
     ranges = _shard_ranges(layout, shards)
     rank, world_size = 0, 1

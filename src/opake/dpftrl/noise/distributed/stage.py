@@ -17,7 +17,7 @@ import torch
 
 from opake.dpftrl.noise.distributed.pieces import Piece, PieceStream
 from opake.dpftrl.noise.engine_layout import Layout, path_text
-from opake.dpftrl.noise.engine_state import NoiseHorizonError, NoiseState, _Storage
+from opake.dpftrl.noise.engine_state import NoiseState, _Storage
 from opake.types import ClippedPytree
 
 __all__ = ["DistributedCheckpointError", "PieceStage"]
@@ -97,33 +97,17 @@ class PieceStage:
             )
         state.require_current()
         if state._origin is not self:
-            buffers = state.buffers
-            mismatches = [
-                name for name, mine, theirs in (
-                    ("key", self.key, state.key),
-                    ("mechanism", self._mechanism_fingerprint, state.mechanism_fingerprint),
-                    ("parameter layout / ownership", self._layout_fingerprint, state.layout_fingerprint),
-                    ("n_steps", self.participation.n_steps, state.n_steps),
-                    ("noise_multiplier", self.noise_multiplier, state.noise_multiplier),
-                    ("streaming inverse", self.inverse, state.inverse),
-                    ("buffer shape", (self.inverse.num_buffers, self.local_size), tuple(buffers.shape)),
-                    ("buffer dtype", self.dtype, buffers.dtype),
-                    ("buffer device", self.device, buffers.device),
-                ) if mine != theirs
-            ]
+            mismatches = state.mismatches(
+                key=self.key, mechanism=self._mechanism_fingerprint, layout=self._layout_fingerprint,
+                n_steps=self.participation.n_steps, noise_multiplier=self.noise_multiplier,
+                inverse=self.inverse, columns=self.local_size, dtype=self.dtype, device=self.device,
+            )
             if mismatches:
                 raise ValueError(
                     f"this noise state belongs to a different noise stage (differs in: "
                     f"{', '.join(mismatches)}); pass the state this stage returned"
                 )
-        n_steps = self.participation.n_steps
-        if state.step >= n_steps:
-            raise NoiseHorizonError(
-                f"noise_fn was called for step {state.step + 1} (1-based) but the mechanism was built "
-                f"for n_steps={n_steps}, and the privacy accounting assumed n_steps={n_steps}: all of "
-                f"its noise is used. To train longer, build the strategy, accounting and engine for "
-                f"a larger n_steps"
-            )
+        state.require_before_horizon()
 
     @staticmethod
     def check_clipped(clipped) -> None:
