@@ -47,9 +47,9 @@ from dataclasses import dataclass
 
 import numpy as np
 from scipy import fft as sfft
-from scipy.optimize import minimize
-from threadpoolctl import threadpool_limits
 
+from opake.dpftrl.noise import toeplitz
+from opake.dpftrl.noise.lbfgs import minimize_until_stalled
 from opake.dpftrl.participation import Participation
 
 _MAX_ITERATIONS = 2000
@@ -113,20 +113,16 @@ def sensitivity_and_gradient(coefs: np.ndarray, participation: Participation) ->
     n = participation.n_steps
     b = participation.min_sep
     k = participation.effective_participations
-    rows = -(-n // b)
-    c = np.zeros(rows * b)
-    c[: coefs.shape[0]] = coefs
-    # u_t = sum_{m < k'} c_{t - m b}: cumulative sums down the rows of width b, minus the same
-    # shifted by k' rows.
-    v = np.cumsum(c.reshape(rows, b), axis=0)
-    u = v.copy()
-    u[k:] -= v[:-k] if k < rows else 0.0
-    u = u.reshape(-1)
-    u[n:] = 0.0
+    column = np.zeros(n)
+    column[: coefs.shape[0]] = coefs
+    u = toeplitz.worst_pattern_response(column, b, participation.max_participations)
     value = float(np.dot(u, u))
-    # grad_j = 2 sum_{m < k'} u_{j + m b}: reverse cumulative sums down the rows, minus the same
-    # shifted by k' rows.
-    r = np.cumsum(u.reshape(rows, b)[::-1], axis=0)[::-1]
+    # grad_j = 2 sum_{m < k'} u_{j + m b}: reverse cumulative sums down the rows of width b,
+    # minus the same shifted by k' rows.
+    rows = -(-n // b)
+    padded = np.zeros(rows * b)
+    padded[:n] = u
+    r = np.cumsum(padded.reshape(rows, b)[::-1], axis=0)[::-1]
     window = r.copy()
     window[: rows - k] -= r[k:] if k < rows else 0.0
     return value, 2.0 * window.reshape(-1)[: coefs.shape[0]]
@@ -169,25 +165,10 @@ def optimize(participation: Participation, bands: int, error: str) -> OptimizeRe
     """Coefficients c (length ``bands``, c_0 = 1) minimizing sens^2 x error for the context."""
     if bands == 1:
         return OptimizeResult(np.ones(1), float("nan"), 0)
-    best = {"f": math.inf, "x": initial_steps(bands), "history": []}
-
-    def objective(steps):
-        value, grad = log_loss_and_gradient(steps, participation, error)
-        if value < best["f"]:
-            best["f"], best["x"] = value, steps.copy()
-        return value, grad
-
-    def stop_when_stalled(_):
-        history = best["history"]
-        history.append(best["f"])
-        if len(history) > _STALL_WINDOW and history[-_STALL_WINDOW - 1] - history[-1] < _STALL:
-            raise StopIteration
-
-    with threadpool_limits(limits=1, user_api="blas"):
-        minimize(
-            objective, best["x"], jac=True, method="L-BFGS-B", callback=stop_when_stalled,
-            bounds=[(0.0, None)] * bands,
-            options={"maxiter": _MAX_ITERATIONS, "ftol": 1e-15, "gtol": 1e-12, "maxcor": 20},
-        )
-    c = coefficients_from(best["x"])
-    return OptimizeResult(c / c[0], best["f"], len(best["history"]))
+    steps, value, iterations = minimize_until_stalled(
+        lambda x: log_loss_and_gradient(x, participation, error), initial_steps(bands),
+        stall=_STALL, window=_STALL_WINDOW, max_iterations=_MAX_ITERATIONS,
+        ftol=1e-15, gtol=1e-12, maxcor=20, bounds=[(0.0, None)] * bands,
+    )
+    c = coefficients_from(steps)
+    return OptimizeResult(c / c[0], value, iterations)

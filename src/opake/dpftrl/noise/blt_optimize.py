@@ -37,11 +37,10 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.optimize import minimize
-from threadpoolctl import threadpool_limits
 
 from opake.dpftrl.noise import blt
 from opake.dpftrl.noise.geometric import expm1
+from opake.dpftrl.noise.lbfgs import minimize_until_stalled
 from opake.dpftrl.participation import Participation
 
 BUFFER_GAIN = 1e-4
@@ -140,33 +139,16 @@ def _initial_tops(ctx: Participation) -> tuple:
 
 
 def _minimize(v0: np.ndarray, ctx, error, momentum, schedule, *, stall: float, max_iterations: int):
-    best = {"f": math.inf, "x": v0, "history": []}
-
     def objective(v):
         probes = v[None, :] + (1j * _STEP) * np.eye(v.shape[0])
         loss = _loss(probes, ctx, error, momentum, schedule)
-        value = float(loss[0].real)
-        if not math.isfinite(value):
-            return 1e300, np.zeros_like(v)
-        if value < best["f"]:
-            best["f"], best["x"] = value, np.array(v)
-        return value, loss.imag / _STEP
+        return float(loss[0].real), loss.imag / _STEP
 
-    def stop_when_stalled(intermediate):
-        # A decay drifting toward its cap can creep for hundreds of iterations while the
-        # loss changes in the 8th digit; stop once 10 iterations gained < stall in log-loss.
-        history = best["history"]
-        history.append(best["f"])
-        if len(history) > _STALL_WINDOW and history[-_STALL_WINDOW - 1] - history[-1] < stall:
-            raise StopIteration
-
-    # L-BFGS-B's linear algebra is tiny (2B + 1 variables): BLAS threads only add latency.
-    with threadpool_limits(limits=1, user_api="blas"):
-        minimize(
-            objective, v0, jac=True, method="L-BFGS-B", callback=stop_when_stalled,
-            options={"maxiter": max_iterations, "ftol": 1e-13, "gtol": 1e-10, "maxcor": 30},
-        )
-    return best["x"], best["f"]
+    x, value, _ = minimize_until_stalled(
+        objective, v0, stall=stall, window=_STALL_WINDOW, max_iterations=max_iterations,
+        ftol=1e-13, gtol=1e-10, maxcor=30,
+    )
+    return x, value
 
 
 def optimize(

@@ -51,7 +51,7 @@ from opake.dpftrl.noise.engine_draws import BLOCK_ELEMENTS, BlockSampler
 from opake.dpftrl.noise.engine_layout import Layout, path_text
 from opake.dpftrl.noise.engine_pages import advise_huge_pages
 from opake.dpftrl.noise.engine_plan import plan_step
-from opake.dpftrl.noise.engine_state import NoiseState, _Storage
+from opake.dpftrl.noise.engine_state import check_state_for, NoiseState, _Storage
 from opake.dpftrl.noise.engine_streaming import streaming_inverse
 from opake._checks import positive_finite
 from opake.dpftrl.participation import Participation
@@ -162,26 +162,8 @@ class CorrelatedNoise:
     # -- checks (all run before any buffer is written) ----------------------------------------
 
     def _check_state(self, state) -> None:
-        if not isinstance(state, NoiseState):
-            raise TypeError(
-                f"noise_fn's second argument must be the NoiseState returned by mf_gaussian_noise or "
-                f"by the previous noise_fn call, got {type(state).__name__}"
-            )
-        state.require_current()
-        if state._origin is not self:
-            # a state from elsewhere (e.g. unpickled): its buffers must fit this engine
-            mismatches = state.mismatches(
-                key=self.key, mechanism=self._fingerprint, layout=self.layout.fingerprint,
-                n_steps=self.participation.n_steps, noise_multiplier=self.noise_multiplier,
-                inverse=self.inverse, columns=self.size, dtype=self.dtype, device=self.device,
-            )
-            if mismatches:
-                raise ValueError(
-                    f"this noise state belongs to a different noise engine (differs in: "
-                    f"{', '.join(mismatches)}); pass the state returned by this engine's "
-                    f"mf_gaussian_noise or noise_fn calls"
-                )
-        state.require_before_horizon()
+        check_state_for(self, state, mechanism=self._fingerprint, layout=self.layout.fingerprint,
+                        columns=self.size, returned_by="mf_gaussian_noise or by the previous noise_fn call")
 
     def _check_gradients(self, clipped) -> list[torch.Tensor]:
         if not isinstance(clipped, ClippedPytree):

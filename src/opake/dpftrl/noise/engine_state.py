@@ -291,3 +291,29 @@ def _checked_fields(state_dict) -> dict:
     if not isinstance(state_dict["buffers"], torch.Tensor) or state_dict["buffers"].dim() != 2:
         raise ValueError("noise-state checkpoint 'buffers' must be a 2-D tensor")
     return state_dict
+
+
+def check_state_for(stage, state, *, mechanism: str, layout: str, columns: int, returned_by: str) -> None:
+    """Refuse a state that ``stage`` (an engine or a distributed stage) must not advance.
+
+    Not a NoiseState, retired or corrupted, from another configuration (e.g. unpickled for a
+    different run), or past the horizon: each raises before any buffer is written.
+    """
+    if not isinstance(state, NoiseState):
+        raise TypeError(
+            f"noise_fn's second argument must be the NoiseState returned by {returned_by}, "
+            f"got {type(state).__name__}"
+        )
+    state.require_current()
+    if state._origin is not stage:
+        mismatches = state.mismatches(
+            key=stage.key, mechanism=mechanism, layout=layout, n_steps=stage.participation.n_steps,
+            noise_multiplier=stage.noise_multiplier, inverse=stage.inverse, columns=columns,
+            dtype=stage.dtype, device=stage.device,
+        )
+        if mismatches:
+            raise ValueError(
+                f"this noise state belongs to a different noise engine (differs in: "
+                f"{', '.join(mismatches)}); pass the state returned by {returned_by}"
+            )
+    state.require_before_horizon()

@@ -51,14 +51,14 @@ def check_minsep_coefficients(coefs) -> np.ndarray:
     return c
 
 
-def minsep_sensitivity_squared(coefs, min_sep: int, max_participations: int | None = None) -> float:
-    """sens^2 of C for at most k participations at least b steps apart (BSR24 Theorem 2).
+def worst_pattern_response(coefs, min_sep: int, max_participations: int | None = None) -> np.ndarray:
+    """u = C x for the worst participation pattern x of the Toeplitz min-sep theorem (BSR24 Thm 2).
 
     For non-negative, non-increasing c the worst pattern is {0, b, ..., (k'-1) b} with
-    k' = min(k, ceil(n / b)), so sens^2 = sum_t u_t^2 with u_t = sum_{m <= min(k'-1, t // b)}
-    c_{t - m b}. Computed in O(n): pad c to whole rows of b, cumulative-sum down the rows
-    (v_t = sum_{m <= t // b} c_{t - m b}), then drop the terms beyond k' participations by
-    subtracting the same sums shifted by k' b (u_t = v_t - v_{t - k' b}).
+    k' = min(k, ceil(n / b)), and u_t = sum_{m <= min(k'-1, t // b)} c_{t - m b}. Computed in
+    O(n): pad c to whole rows of b, cumulative-sum down the rows (v_t = sum_{m <= t // b}
+    c_{t - m b}), then drop the terms beyond k' participations by subtracting the same sums
+    shifted by k' b (u_t = v_t - v_{t - k' b}).
     """
     c = check_minsep_coefficients(coefs)
     n = c.shape[0]
@@ -74,6 +74,15 @@ def minsep_sensitivity_squared(coefs, min_sep: int, max_participations: int | No
     v = np.cumsum(padded.reshape(rows, b), axis=0).reshape(-1)[:n]
     u = v.copy()
     u[k * b:] -= v[: n - k * b] if k * b < n else 0.0
+    return u
+
+
+def minsep_sensitivity_squared(coefs, min_sep: int, max_participations: int | None = None) -> float:
+    """sens^2 of C for at most k participations at least b steps apart (BSR24 Theorem 2).
+
+    ||C x||^2 for the worst pattern x (``worst_pattern_response``).
+    """
+    u = worst_pattern_response(coefs, min_sep, max_participations)
     return float(np.dot(u, u))
 
 

@@ -17,7 +17,7 @@ import torch
 
 from opake.dpftrl.noise.distributed.pieces import Piece, PieceStream
 from opake.dpftrl.noise.engine_layout import Layout, path_text
-from opake.dpftrl.noise.engine_state import NoiseState, _Storage
+from opake.dpftrl.noise.engine_state import check_state_for, NoiseState, _Storage
 from opake.types import ClippedPytree
 
 __all__ = ["DistributedCheckpointError", "PieceStage"]
@@ -90,24 +90,8 @@ class PieceStage:
     # -- checks (all run before any buffer is written) ----------------------------------------
 
     def check_state(self, state) -> None:
-        if not isinstance(state, NoiseState):
-            raise TypeError(
-                f"noise_fn's second argument must be the NoiseState returned when the stage was "
-                f"built or by the previous noise_fn call, got {type(state).__name__}"
-            )
-        state.require_current()
-        if state._origin is not self:
-            mismatches = state.mismatches(
-                key=self.key, mechanism=self._mechanism_fingerprint, layout=self._layout_fingerprint,
-                n_steps=self.participation.n_steps, noise_multiplier=self.noise_multiplier,
-                inverse=self.inverse, columns=self.local_size, dtype=self.dtype, device=self.device,
-            )
-            if mismatches:
-                raise ValueError(
-                    f"this noise state belongs to a different noise stage (differs in: "
-                    f"{', '.join(mismatches)}); pass the state this stage returned"
-                )
-        state.require_before_horizon()
+        check_state_for(self, state, mechanism=self._mechanism_fingerprint, layout=self._layout_fingerprint,
+                        columns=self.local_size, returned_by="this stage when it was built or by its previous call")
 
     @staticmethod
     def check_clipped(clipped) -> None:
