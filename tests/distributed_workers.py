@@ -40,7 +40,9 @@ def gradients(step: int):
     tree = template()
 
     def fill(leaf):
-        return torch.randn(leaf.shape, generator=generator).to(leaf.dtype)
+        # As clipped_grad returns them: half-precision parameters get float32 sums.
+        dtype = torch.float32 if leaf.dtype in (torch.bfloat16, torch.float16) else leaf.dtype
+        return torch.randn(leaf.shape, generator=generator).to(dtype)
 
     return optree.tree_map(fill, tree)
 

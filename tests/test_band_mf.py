@@ -239,15 +239,16 @@ def test_streamed_noise_equals_dense_inverse_times_the_same_draws(bands, context
     sigma, l2_bound, normalization = 1.3, 0.5, 2.0
     rest = dict(zip(("min_sep", "max_participations"), context[1:]))
     recipe = band_mf_strategy(bands)
-    noise_fn, state = mf_gaussian_noise(TEMPLATE, recipe, n_steps=n, noise_multiplier=sigma, key=key(11),
+    template = {name: leaf.to(dtype) for name, leaf in TEMPLATE.items()}  # outputs at full precision
+    noise_fn, state = mf_gaussian_noise(template, recipe, n_steps=n, noise_multiplier=sigma, key=key(11),
                                         dtype=dtype, **rest)
     assert tuple(state.buffers.shape) == (bands - 1, 8)
     assert noise_fn.mechanism is recipe.resolve(*context)
-    noise, _ = run_noise(noise_fn, state, TEMPLATE, n, l2_bound=l2_bound, normalization=normalization)
+    noise, _ = run_noise(noise_fn, state, template, n, l2_bound=l2_bound, normalization=normalization)
     # Z: the same key through the identity strategy, which adds exactly 1.0 * z.
-    identity_fn, identity_state = mf_gaussian_noise(TEMPLATE, identity_strategy(), n_steps=n, noise_multiplier=1.0,
+    identity_fn, identity_state = mf_gaussian_noise(template, identity_strategy(), n_steps=n, noise_multiplier=1.0,
                                                     key=key(11), dtype=dtype)
-    draws, _ = run_noise(identity_fn, identity_state, TEMPLATE, n)
+    draws, _ = run_noise(identity_fn, identity_state, template, n)
     matrix = lower_toeplitz(noise_fn.mechanism.toeplitz_coefficients())
     expected = sigma * l2_bound / normalization * (inverse_matrix(matrix) @ draws)
     np.testing.assert_allclose(noise, expected, rtol=tolerance, atol=tolerance * np.abs(expected).max())

@@ -224,12 +224,44 @@ def test_finite_gradient_whose_norm_overflows_float32_is_clipped_not_dropped():
     assert (state.clipped_examples, state.nonfinite_examples) == (2, 0)
 
 
-def test_half_precision_parameters():
+def test_half_precision_parameters_are_summed_in_float32():
     grad_fn, state = clipped_grad(_dot_loss, 1.0)
     per_example = torch.tensor([[300.0, 400.0], [0.03, 0.04]], dtype=torch.float16)
     grads, state = grad_fn(torch.zeros(2, dtype=torch.float16), per_example, state=state)
-    assert grads.pytree.dtype == torch.float16
-    torch.testing.assert_close(grads.pytree.float(), torch.tensor([0.63, 0.84]), rtol=2e-3, atol=0)
+    assert grads.pytree.dtype == torch.float32
+    # (0.6, 0.8) + the float16 values of (0.03, 0.04), to float32 rounding.
+    expected = torch.tensor([0.6, 0.8], dtype=torch.float64) + per_example[1].double()
+    torch.testing.assert_close(grads.pytree.double(), expected, rtol=1e-7, atol=0)
+
+
+def test_a_zero_size_batch_of_half_precision_parameters_gives_float32_zeros():
+    grad_fn, state = clipped_grad(_dot_loss, 1.0)
+    grads, _ = grad_fn(torch.zeros(2, dtype=torch.bfloat16), torch.zeros(0, 2, dtype=torch.bfloat16), state=state)
+    assert grads.pytree.dtype == torch.float32 and torch.equal(grads.pytree, torch.zeros(2))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_sum_has_the_sensitivity_of_one_clipped_example(dtype):
+    # Neighbouring batches (one example removed) must give sums at most C / normalize_by apart;
+    # brute force over every removable example. The sum of 512 examples in one direction is
+    # about C: rounding that to 8 (bf16) or 11 (fp16) bits moves it by more than one example's
+    # C / 512, which the negative control shows, so the float32 sum is what keeps the bound.
+    batch, width, bound = 512, 64, 1.0
+    generator = torch.Generator().manual_seed(3)
+    per_example = (0.05 + 0.1 * torch.randn(batch, width, generator=generator)).to(dtype)
+    grad_fn, state = clipped_grad(_dot_loss, bound, normalize_by=batch)
+    params = torch.zeros(width, dtype=dtype)
+    full, _ = grad_fn(params, per_example, state=state)
+    worst = worst_rounded = 0.0
+    for removed in range(batch):
+        rest = torch.cat([per_example[:removed], per_example[removed + 1:]])
+        neighbour, _ = grad_fn(params, rest, state=state)
+        worst = max(worst, (full.pytree.double() - neighbour.pytree.double()).norm().item())
+        rounded = full.pytree.to(dtype).double() - neighbour.pytree.to(dtype).double()
+        worst_rounded = max(worst_rounded, rounded.norm().item())
+    assert worst <= bound / batch * (1 + 1e-5)
+    # Negative control: a half-precision sum breaks the bound (bf16 by ~10%, fp16 by ~1%).
+    assert worst_rounded > bound / batch * (1 + 1e-3)
 
 
 # --- sensitivity (property) --------------------------------------------------------------------

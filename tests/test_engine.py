@@ -30,7 +30,11 @@ from test_engine_support import (
 TEMPLATE = {"layer.weight": torch.zeros(3, 2), "layer.bias": torch.zeros(2), "scale": torch.zeros(())}
 
 
-def _engine(strategy, n_steps, *, template=TEMPLATE, sigma=1.0, seed=7, dtype=torch.float32, **context):
+def _engine(strategy, n_steps, *, template=None, sigma=1.0, seed=7, dtype=torch.float32, **context):
+    # Outputs come in the template's dtypes: the default template is in the compute dtype, so
+    # float64 noise is read back at full precision.
+    if template is None:
+        template = {name: leaf.to(dtype) for name, leaf in TEMPLATE.items()}
     return mf_gaussian_noise(
         template, strategy, n_steps=n_steps, noise_multiplier=sigma, key=key(seed), dtype=dtype, **context
     )
@@ -69,7 +73,7 @@ def test_dense_check_for_random_float32_exact_blts(n, buffers, scale_bits):
     omega = tuple(m / 2**22 / 2**scale_bits for m, _ in buffers)
     one_minus_theta = tuple(2.0**-e for _, e in buffers)
     recipe = HandRecipe(omega, one_minus_theta)
-    template = [torch.zeros(5)]
+    template = [torch.zeros(5, dtype=torch.float64)]
     noise_fn, state = _engine(recipe, n, template=template, dtype=torch.float64)
     noise, _ = run_noise(noise_fn, state, template, n)
     identity_fn, identity_state = _engine(identity_strategy(), n, template=template, dtype=torch.float64)
@@ -97,7 +101,7 @@ def test_gradient_is_added_to_the_noise():
 def test_identity_noise_is_exactly_the_scaled_draws(dtype):
     sigma, l2_bound, normalization = 2.5, 3.0, 8.0
     scale = sigma * l2_bound / normalization
-    template = {"w": torch.zeros(1000)}
+    template = {"w": torch.zeros(1000, dtype=dtype)}
     noise_fn, state = _engine(identity_strategy(), 3, template=template, sigma=sigma, dtype=dtype)
     assert state.buffers.shape == (0, 1000)
     sampler = BlockSampler(key(7), torch.device("cpu"))
@@ -211,43 +215,50 @@ def test_different_paths_keys_and_steps_give_different_noise():
     assert not torch.equal(both[:, 0], other_key)
 
 
-def test_mixed_gradient_dtypes_do_not_change_a_leaf_noise():
+def test_mixed_dtypes_do_not_change_a_leaf_noise():
+    # A bfloat16 parameter next to a float32 one, with gradients in either dtype: leaf "a"'s
+    # noise is the same as with a uniform float32 model.
     template = {"a": torch.zeros(40), "b": torch.zeros(10)}
     plain = _leaf_noise(template, lambda p: p["a"])
-    noise_fn, state = _engine(hand_blt("three_buffers"), 3, template=template)
-    rows = []
-    for _ in range(3):
-        grads = {"a": torch.zeros(40), "b": torch.zeros(10, dtype=torch.bfloat16)}
-        noisy, state = noise_fn(clipped(grads, 1.0), state)
-        assert noisy.pytree["b"].dtype == torch.bfloat16
-        rows.append(noisy.pytree["a"].to(torch.float64))
-    assert torch.equal(torch.stack(rows), plain)
+    mixed_template = {"a": torch.zeros(40), "b": torch.zeros(10, dtype=torch.bfloat16)}
+    for b_grad_dtype in (torch.bfloat16, torch.float32):
+        noise_fn, state = _engine(hand_blt("three_buffers"), 3, template=mixed_template)
+        rows = []
+        for _ in range(3):
+            grads = {"a": torch.zeros(40), "b": torch.zeros(10, dtype=b_grad_dtype)}
+            noisy, state = noise_fn(clipped(grads, 1.0), state)
+            assert noisy.pytree["b"].dtype == torch.bfloat16  # the template's dtype
+            rows.append(noisy.pytree["a"].to(torch.float64))
+        assert torch.equal(torch.stack(rows), plain)
 
 
 # -- gradient dtypes ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("template_dtype", [torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
 @pytest.mark.parametrize("compute_dtype", [torch.float32, torch.float64])
-def test_low_and_high_precision_gradients_are_noised_in_the_compute_dtype(grad_dtype, compute_dtype):
-    template = {"w": torch.zeros(4, 5)}
+def test_any_gradient_dtype_is_noised_in_the_compute_dtype_and_returned_in_the_template_dtype(
+        template_dtype, grad_dtype, compute_dtype):
     n, scale = 4, 0.5
     grads = {"w": (torch.arange(20.0).reshape(4, 5) / 7).to(grad_dtype)}
-    # x: the noise of the same engine on zero gradients in the compute dtype.
-    noise_fn, state = _engine(hand_blt("near_one_decay"), n, template=template, dtype=compute_dtype)
+    # scale * x: the noise of the same engine on zero gradients, template in the compute dtype.
+    compute_template = {"w": torch.zeros(4, 5, dtype=compute_dtype)}
+    noise_fn, state = _engine(hand_blt("near_one_decay"), n, template=compute_template, dtype=compute_dtype)
     noise = []
     for _ in range(n):
         noisy, state = noise_fn(clipped({"w": torch.zeros(4, 5, dtype=compute_dtype)}, scale), state)
         noise.append(noisy.pytree["w"])
+    template = {"w": torch.zeros(4, 5, dtype=template_dtype)}
     noise_fn, state = _engine(hand_blt("near_one_decay"), n, template=template, dtype=compute_dtype)
-    both = torch.promote_types(grad_dtype, compute_dtype)
+    wide = torch.promote_types(grad_dtype, compute_dtype)
     for step in range(n):
         noisy, state = noise_fn(clipped(grads, scale), state)
-        assert noisy.pytree["w"].dtype == grad_dtype
+        assert noisy.pytree["w"].dtype == template_dtype
         assert state.buffers.dtype == compute_dtype
-        # The same x whatever the gradient dtype; the sum is formed in the wider of the two
-        # dtypes and rounded once to the gradient's dtype.
-        expected = (grads["w"].to(both) + noise[step].to(both)).to(grad_dtype)
+        # The same x whatever the dtypes; gradient + scale * x is formed in the wider of the
+        # gradient's and the compute dtype and rounded once to the template's dtype.
+        expected = (grads["w"].to(wide) + noise[step].to(wide)).to(template_dtype)
         assert torch.equal(noisy.pytree["w"], expected)
 
 
@@ -301,7 +312,7 @@ def test_the_engine_passes_the_participation_context_to_the_recipe():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_dense_check_on_cuda():
-    template = {"w": torch.zeros(3, 5, device="cuda")}
+    template = {"w": torch.zeros(3, 5, dtype=torch.float64, device="cuda")}
     n = 6
     recipe = hand_blt("three_buffers")
     noise_fn, state = _engine(recipe, n, template=template, dtype=torch.float64)
@@ -322,9 +333,8 @@ def _noise_with(monkeypatch, columns, template, n=3):
     noise_fn, state = _engine(hand_blt("three_buffers"), n, template=template)
     rows = []
     for step in range(n):
-        # Leaf "b" gets bfloat16 gradients: it goes through the scratch path.
-        grads = {name: torch.full_like(leaf, 0.5 * step) for name, leaf in template.items()}
-        grads["b"] = grads["b"].to(torch.bfloat16)
+        # Leaf "b" is a bfloat16 parameter (scratch path) with float32 gradients.
+        grads = {name: torch.full_like(leaf, 0.5 * step, dtype=torch.float32) for name, leaf in template.items()}
         noisy, state = noise_fn(clipped(grads, 1.0), state)
         rows.append(flat(noisy.pytree))
     return torch.stack(rows), state.buffers.clone()
@@ -333,7 +343,7 @@ def _noise_with(monkeypatch, columns, template, n=3):
 @pytest.mark.parametrize("columns", [2**16, 4099, 1000])
 def test_cache_blocked_and_whole_span_updates_are_bit_identical(monkeypatch, columns):
     # A leaf of two noise blocks, a bfloat16 leaf (scratch path) and many small leaves (grouped).
-    template = {"a": torch.zeros(BLOCK_ELEMENTS + 2**17 + 13), "b": torch.zeros(3, 5),
+    template = {"a": torch.zeros(BLOCK_ELEMENTS + 2**17 + 13), "b": torch.zeros(3, 5, dtype=torch.bfloat16),
                 **{f"small{i:02d}": torch.zeros(300 + i) for i in range(12)}}
     whole, whole_buffers = _noise_with(monkeypatch, None, template)
     blocked, blocked_buffers = _noise_with(monkeypatch, columns, template)

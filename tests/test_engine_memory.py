@@ -58,15 +58,23 @@ def test_a_float32_step_allocates_one_parameter_vector():
 
 
 @pytest.mark.parametrize(
-    "grad_dtype, compute_dtype, output_bytes",
-    [(torch.bfloat16, torch.float32, 2), (torch.float16, torch.float32, 2), (torch.float32, torch.float64, 4)],
+    "template_dtype, grad_dtype, compute_dtype, scratch",
+    [
+        (torch.bfloat16, torch.float32, torch.float32, True),   # clipped_grad's sums of bf16 params
+        (torch.bfloat16, torch.bfloat16, torch.float32, True),
+        (torch.float16, torch.float16, torch.float32, True),
+        (torch.float32, torch.bfloat16, torch.float32, False),  # x lives in the float32 output
+        (torch.float32, torch.float32, torch.float64, True),
+    ],
 )
-def test_other_gradient_dtypes_add_a_fixed_scratch_only(grad_dtype, compute_dtype, output_bytes):
-    template = {"a": torch.zeros(D)}
+def test_other_dtypes_add_a_fixed_scratch_only(template_dtype, grad_dtype, compute_dtype, scratch):
+    template = {"a": torch.zeros(D, dtype=template_dtype)}
     grads = clipped({"a": torch.ones(D, dtype=grad_dtype)}, 1.0)
     peak = _step_peak(template, grads, dtype=compute_dtype)
-    # Output in the gradient's dtype, a scratch of one noise block (2**20 elements) in the
-    # compute dtype, and torch's casting buffers for 2**16-element pieces (two operands).
-    item = torch.tensor([], dtype=compute_dtype).element_size()
-    bound = output_bytes * D + item * 2**20 + 2 * item * 2**16 + 2**16
+    # The output in the template's dtype, a scratch of one noise block (2**20 elements) in the
+    # compute dtype when the output cannot hold x, and torch's casting buffers for
+    # 2**16-element pieces (two operands).
+    output_bytes = template_dtype.itemsize
+    item = compute_dtype.itemsize
+    bound = output_bytes * D + (item * 2**20 if scratch else 0) + 2 * item * 2**16 + 2**16
     assert output_bytes * D <= peak <= bound, (peak, bound)

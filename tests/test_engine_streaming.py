@@ -40,7 +40,7 @@ def _dense_banded(coefs, n):
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
 def test_banded_strategy_plugs_into_the_engine_and_matches_the_dense_solve(coefs, dtype, tolerance):
     n = 11
-    template = {"w": torch.zeros(4, 3)}
+    template = {"w": torch.zeros(4, 3, dtype=dtype)}
     mechanism = BandedMechanism(coefs, Participation(n))
     noise_fn, state = mf_gaussian_noise(template, mechanism, n_steps=n, noise_multiplier=1.0, key=key(5), dtype=dtype)
     assert isinstance(noise_fn.inverse, BandedInverse) and state.buffers.shape == (len(coefs) - 1, 12)

@@ -96,7 +96,8 @@ def zeros_like_tree(template, dtype=None):
 def run_noise(noise_fn, state, template, steps: int, *, l2_bound=1.0, normalization=1.0, grads=None):
     """Run ``steps`` steps on zero (or given) gradients; returns (rows of flat noise, state).
 
-    Zero gradients are made in the engine's compute dtype, so the output keeps its precision.
+    Zero gradients are made in the engine's compute dtype; the output comes in the template's
+    dtypes, so a template in the compute dtype reads the noise back at full precision.
     """
     rows = []
     for _ in range(steps):

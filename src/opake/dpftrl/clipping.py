@@ -44,8 +44,14 @@ has norm 5; with ``clipping_norm=5`` or more it is kept as is, with ``clipping_n
 becomes ``(0.6, 0.8)``. The scale factor is ``min(1, clipping_norm / norm)``: exactly 1 at or
 below the bound (a zero gradient is never divided by). Each leaf's norm is reduced
 in that leaf's dtype (float32 for half-precision leaves); the norms are combined and the scale
-computed in float64 (float32 on devices without float64). The bound therefore holds up to
-floating-point rounding (a few ulps of the gradients' dtype), as in every DP library.
+computed in float64 (float32 on devices without float64). The clipped sum of a float32 or
+float64 leaf is formed in that dtype; the sum of a bfloat16 or float16 leaf is formed and
+returned in **float32**: rounding a sum of many clipped gradients to 8 or 11 mantissa bits moves
+it by up to 2**-9 of its size, which for a batch of a few hundred examples exceeds one example's
+whole contribution, so a half-precision sum would not have the sensitivity the noise is
+calibrated for. The bound therefore holds up to float32 (or float64) rounding, as in every DP
+library. ``mf_gaussian_noise`` returns the noised gradients in the parameters' dtype (rounding
+after the noise is post-processing).
 
 Non-finite gradients never leak into the sum. By default an example whose gradient holds a NaN
 or an infinity raises :class:`NonFiniteGradientError` naming the example and the parameter;
@@ -194,6 +200,33 @@ def _compute_dtype(device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "mps" else torch.float64
 
 
+def _sum_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a leaf's clipped sum is formed and returned in: at least float32."""
+    return dtype if dtype in (torch.float32, torch.float64) else torch.float32
+
+
+_CAST_ELEMENTS = 2**20
+
+
+def _weighted_sum(flat: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """sum_b scale[b] * flat[b] for a (batch, n) leaf, in ``_sum_dtype`` of the leaf's dtype.
+
+    A half-precision leaf is widened a stretch of columns at a time (at most ``_CAST_ELEMENTS``
+    elements per temporary), so the float32 copy never costs the whole per-example tensor.
+    """
+    dtype = _sum_dtype(flat.dtype)
+    weights = scale.to(device=flat.device, dtype=dtype)
+    if flat.dtype == dtype:
+        return torch.mv(flat.t(), weights)
+    batch, columns = flat.shape
+    out = torch.empty(columns, dtype=dtype, device=flat.device)
+    stride = max(1, _CAST_ELEMENTS // max(batch, 1))
+    for start in range(0, columns, stride):
+        stop = min(columns, start + stride)
+        torch.mv(flat[:, start:stop].t().to(dtype), weights, out=out[start:stop])
+    return out
+
+
 def _leaf_norms(flat_leaves, device, compute_dtype) -> torch.Tensor:
     """(B, L) per-example, per-leaf L2 norms, each reduced in its leaf's dtype (>= float32)."""
     columns = []
@@ -268,8 +301,9 @@ def clipped_grad(
 
     Returns:
       ``(grad_fn, clip_state)``. ``grad_fn(params, *args, state=clip_state)`` returns
-      ``(ClippedPytree, new_state)``: the pytree has the structure, dtypes and device of
-      ``params``; ``l2_bound == clipping_norm``; ``normalization == normalize_by or 1.0``.
+      ``(ClippedPytree, new_state)``: the pytree has the structure, shapes and device of
+      ``params`` and their dtypes, except that bfloat16/float16 leaves are summed and returned
+      in float32 (see above); ``l2_bound == clipping_norm``; ``normalization == normalize_by or 1.0``.
       A batch of size 0 gives zeros (``loss_fn`` is not called).
     """
     if not callable(loss_fn):
@@ -310,7 +344,7 @@ def clipped_grad(
         params = _checked_params(params)
         batch_size = _batch_size(args, batch_argnums)
         if batch_size == 0:
-            zeros = optree.tree_map(torch.zeros_like, params)
+            zeros = optree.tree_map(lambda leaf: torch.zeros_like(leaf, dtype=_sum_dtype(leaf.dtype)), params)
             new_state = dataclasses.replace(state, steps=state.steps + 1)
             return ClippedPytree(zeros, clipping_norm, normalization), new_state
 
@@ -352,10 +386,7 @@ def clipped_grad(
         bound = torch.full_like(norms, clipping_norm)
         scale = torch.where(clipped, bound / torch.where(clipped, norms, bound), torch.ones_like(norms))
         scale = torch.where(finite, scale, torch.zeros_like(scale)) / normalization
-        sums = [
-            torch.mv(flat.t(), scale.to(device=flat.device, dtype=flat.dtype)).reshape(leaf.shape[1:])
-            for flat, leaf in zip(flat_leaves, leaves)
-        ]
+        sums = [_weighted_sum(flat, scale).reshape(leaf.shape[1:]) for flat, leaf in zip(flat_leaves, leaves)]
         num_clipped = int(clipped.sum())
         new_state = ClipState(
             steps=state.steps + 1,

@@ -12,15 +12,19 @@ strategy's streaming inverse (``engine_streaming``) from a (B, d) buffer state
 
 Memory and passes. All parameters share one flat (B, d) buffer tensor in the compute dtype
 (float32 by default, float64 on request), whatever the gradients' dtypes. A step allocates one
-d-vector: the output, in the gradients' dtype(s), whose zero-copy views are the leaves of the
-returned pytree (hinted to huge pages on Linux, see ``engine_pages``). z is drawn straight
-into that output (or, when the gradients' dtype differs from the compute dtype, into a scratch
-of at most one noise block), turned into x in place, folded into the buffers with three fused
+d-vector: the output, in grad_template's dtype(s), whose zero-copy views are the leaves of the
+returned pytree (hinted to huge pages on Linux, see ``engine_pages``). Gradients may come in
+any floating dtype (``clipped_grad`` returns float32 sums for half-precision parameters, so
+that clipping holds to float32 rounding); ``gradient + scale * x`` is formed in the wider of
+the gradient's and the compute dtype and rounded once to the template's dtype, which is
+post-processing of the noised value. z is drawn straight into that output (or, when the
+template's dtype differs from the compute dtype, into a scratch of at most one noise block),
+turned into x in place, folded into the buffers with three fused
 in-place torch ops (cache-blocked when single-threaded, see ``columns_per_advance``), and
 finally overwritten by ``gradient + scale * x``. Python loops run over leaves, noise blocks and
 cache blocks only, never over elements. The step plan (which stretch of the output and the
-buffers each leaf uses) depends only on the gradients' dtypes and is computed once
-(``engine_plan``).
+buffers each leaf uses) depends only on the template and the compute dtype and is computed
+once (``engine_plan``).
 
 Purity. The returned state takes over the buffers (updated in place) and the state passed in
 is retired: using it again raises ``RetiredStateError`` instead of giving different noise;
@@ -121,7 +125,7 @@ class CorrelatedNoise:
         self._coefficients = self.inverse.coefficients(dtype, self.device)
         self._sampler = BlockSampler(key, self.device)
         self._fingerprint = str(getattr(mechanism, "fingerprint", ""))
-        self._plans = {}  # gradient dtypes -> StepPlan
+        self._plan = plan_step(layout, dtype)
 
     def check_accounted_by(self, process) -> None:
         """Raise unless ``process`` priced exactly this noise (same mechanism, same multiplier).
@@ -209,10 +213,7 @@ class CorrelatedNoise:
         self._check_state(state)
         leaves = self._check_gradients(clipped)
         scale = self.noise_multiplier * clipped.l2_bound / clipped.normalization
-        signature = tuple(leaf.dtype for leaf in leaves)
-        plan = self._plans.get(signature)
-        if plan is None:
-            plan = self._plans.setdefault(signature, plan_step(self.layout, signature, self.dtype))
+        plan = self._plan
         # Allocate before touching the buffers: an out-of-memory error leaves them intact.
         flats = {dtype: torch.empty(total, dtype=dtype, device=self.device) for dtype, total in plan.totals}
         for flat in flats.values():
@@ -261,7 +262,10 @@ class CorrelatedNoise:
             # x is the output: overwrite each leaf's stretch with gradient + scale * x.
             outs = x.split([length for _, _, length, _ in segment.adds]) if len(segment.adds) > 1 else (x,)
             for (index, _, _, _), out in zip(segment.adds, outs):
-                torch.add(gradients[index], out, alpha=scale, out=out)
+                if gradients[index].dtype == out.dtype:
+                    torch.add(gradients[index], out, alpha=scale, out=out)
+                else:
+                    self._add_in_pieces(gradients[index], out, out, scale)
         else:
             (index, leaf_begin, length, output_offset), = segment.adds
             out = flats[segment.output_dtype].narrow(0, output_offset, length)
@@ -344,7 +348,9 @@ def mf_gaussian_noise(
       sigma * l2_bound / normalization * (C^{-1} z)_t.
     key: an ``opake.random.RngKey``; required, no default seed.
     dtype: compute dtype of the buffers and of x, torch.float32 (default) or torch.float64,
-      independent of the gradients' dtype (bf16/fp16 gradients get bf16/fp16 outputs).
+      independent of the gradients' dtype. Gradients may come in any floating dtype; the
+      noised gradients come back in grad_template's dtypes (bf16 parameters get bf16 noisy
+      gradients, rounded once from gradient + scale * x formed in float32 or wider).
 
     ``noise_fn(clipped, state)`` refuses step n_steps + 1 (``NoiseHorizonError``).
     """

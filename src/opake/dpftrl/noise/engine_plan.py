@@ -1,17 +1,19 @@
 """How one noise step walks the parameters: output layout, segments, draws and adds.
 
-A plan depends only on the parameter layout, the gradients' dtypes and the compute dtype, so
-the engine computes it once per dtype combination and reuses it every step; it holds integers
-only (no tensors), and the step turns it into views of that step's output.
+A plan depends only on the parameter layout (the template's dtypes) and the compute dtype, so
+the engine computes it once and reuses it every step; it holds integers only (no tensors), and
+the step turns it into views of that step's output.
 
-Output: one flat vector per gradient dtype, leaves in layout order within it (one d-vector
-in all). Segments: a *segment* is a stretch of buffer columns advanced by one call of the
-streaming inverse, on a 1-D ``x`` in the compute dtype that first receives z. A run of
-consecutive leaves whose gradients are in the compute dtype is one segment whose ``x`` is
-their (contiguous) output: with uniform dtypes the whole model is a single segment, so the
-buffer math costs three torch ops per step whatever the number of tensors. A leaf in another
-dtype cannot hold x in its output; it is advanced one noise block at a time through a scratch
-of at most one block.
+Output: one flat vector per template dtype, leaves in layout order within it (one d-vector
+in all): the noised gradients always have grad_template's dtypes, whatever dtype the
+gradients come in (float32 clipped sums of bfloat16 parameters come back in bfloat16; the
+rounding of the noised value is post-processing). Segments: a *segment* is a stretch of buffer
+columns advanced by one call of the streaming inverse, on a 1-D ``x`` in the compute dtype that
+first receives z. A run of consecutive leaves whose template dtype is the compute dtype is one
+segment whose ``x`` is their (contiguous) output: with uniform dtypes the whole model is a
+single segment, so the buffer math costs three torch ops per step whatever the number of
+tensors. A leaf in another dtype cannot hold x in its output; it is advanced one noise block at
+a time through a scratch of at most one block.
 """
 
 from __future__ import annotations
@@ -61,11 +63,12 @@ def _blocks(numel: int):
         yield block, begin, min(BLOCK_ELEMENTS, numel - begin)
 
 
-def plan_step(layout: Layout, gradient_dtypes: tuple, compute_dtype: torch.dtype) -> StepPlan:
+def plan_step(layout: Layout, compute_dtype: torch.dtype) -> StepPlan:
     totals: dict[torch.dtype, int] = {}
     groups: dict[torch.dtype, tuple[list, list]] = {}
     output_offsets = []
-    for index, (slot, dtype) in enumerate(zip(layout.leaves, gradient_dtypes)):
+    for index, slot in enumerate(layout.leaves):
+        dtype = slot.dtype
         output_offsets.append(totals.get(dtype, 0))
         totals[dtype] = totals.get(dtype, 0) + slot.numel
         members, sizes = groups.setdefault(dtype, ([], []))
@@ -75,7 +78,8 @@ def plan_step(layout: Layout, gradient_dtypes: tuple, compute_dtype: torch.dtype
     segments: list = []
     run = None  # the open direct segment, as a dict, while consecutive leaves can join it
     scratch_length = 0
-    for index, (slot, dtype) in enumerate(zip(layout.leaves, gradient_dtypes)):
+    for index, slot in enumerate(layout.leaves):
+        dtype = slot.dtype
         if slot.numel == 0:
             continue
         output_offset = output_offsets[index]

@@ -19,8 +19,8 @@ rank reads all headers and raises the same ``RankDisagreementError`` when the st
 differ or a rank's checks failed (that rank re-raises its own error), so a mismatch is an error
 on every rank, never different noise, and never a hang (a failing rank still joins the
 collective). After such an error the ranks' streams are out of step: restore every rank from
-its checkpoint. Gradients must have the template's dtypes, which fixes the byte layout on all
-ranks.
+its checkpoint. Outputs have the template's dtypes (as in ``mf_gaussian_noise``, whatever the
+gradients' floating dtypes), which fixes the byte layout on all ranks.
 """
 
 from __future__ import annotations
@@ -107,13 +107,6 @@ class GatheredNoise(PieceStage):
         self.check_state(state)
         self.check_clipped(clipped)
         leaves = self.layout.flatten_gradients(clipped.pytree)
-        for slot, leaf in zip(self.layout.leaves, leaves):
-            if leaf.dtype != slot.dtype:
-                raise ValueError(
-                    f"gradient {path_text(slot.path)!r} has dtype {leaf.dtype} but grad_template has "
-                    f"{slot.dtype}; the distributed stage shares outputs in the template's dtypes, so "
-                    f"build it from a template with the gradients' dtypes"
-                )
         gradients = [leaves[p.leaf].reshape(-1).narrow(0, p.start, p.length) for p in self.pieces]
         self.check_finite(gradients)
         return gradients, self.noise_multiplier * clipped.l2_bound / clipped.normalization

@@ -97,7 +97,9 @@ class ShardNoise(PieceStage):
                 gradients.append(leaf)
             self.check_finite(gradients)
             scale = self.noise_multiplier * clipped.l2_bound / clipped.normalization
-            outputs = [torch.empty_like(g) for g in gradients]
+            # In the template's dtypes, as mf_gaussian_noise (gradients may be wider, e.g.
+            # float32 clipped sums of bfloat16 parameters).
+            outputs = [torch.empty(piece.length, dtype=piece.slot.dtype, device=self.device) for piece in self.pieces]
             step = state.step
             new_state = self.run(state, gradients, outputs, scale)
             return NoisedPytree(pytree=self.layout.treespec.unflatten(outputs), step=step), new_state
