@@ -19,8 +19,14 @@ Threads: by default every process uses one intra-op thread (``--threads 1``), be
 small shared machine multi-threaded timings measure the scheduler more than the code; pass
 ``--threads 0`` to keep each library's default.
 
-    python benchmarks/noise_engine.py            # d = 1e6 and 1e7, 1 and 200 tensors, B = 4, 8
-    python benchmarks/noise_engine.py --quick    # d = 1e6 only, fewer repeats
+On a GPU (``--device cuda``) the same table is measured on the device: the floor is
+``torch.randn`` on the device plus the same fused pass, every timing is bracketed by
+``torch.cuda.synchronize()``, extra memory is the rise of ``torch.cuda.max_memory_allocated``
+during one step, and the peers are not run (their environments are CPU-only).
+
+    python benchmarks/noise_engine.py                  # d = 1e6 and 1e7, 1 and 200 tensors, B = 4, 8
+    python benchmarks/noise_engine.py --quick          # d = 1e6 only, fewer repeats
+    python benchmarks/noise_engine.py --device cuda    # on a GPU
 """
 
 from __future__ import annotations
@@ -65,12 +71,26 @@ def _peak_allocated_bytes(function) -> int:
     return peak
 
 
-def worker(elements: int, tensors: int, buffers: int, repeats: int, threads: int) -> dict:
+def _peak_cuda_bytes(function) -> int:
+    """Rise of the CUDA caching allocator's peak of live allocations while ``function`` runs."""
+    import torch
+
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    baseline = torch.cuda.memory_allocated()
+    function()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - baseline
+
+
+def worker(elements: int, tensors: int, buffers: int, repeats: int, threads: int, device: str = "cpu") -> dict:
     import numpy as np
     import torch
 
     if threads:
         torch.set_num_threads(threads)
+    cuda = device.startswith("cuda")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     from opake.dpftrl.noise import mf_gaussian_noise
     from opake.dpftrl.noise.strategy import Mechanism
     from opake.dpftrl.participation import Participation
@@ -90,13 +110,13 @@ def worker(elements: int, tensors: int, buffers: int, repeats: int, threads: int
     per_tensor = elements // tensors
     sizes = [per_tensor] * tensors
     sizes[-1] += elements - per_tensor * tensors
-    template = {f"p{i:04d}": torch.empty(size) for i, size in enumerate(sizes)}
+    template = {f"p{i:04d}": torch.empty(size, device=device) for i, size in enumerate(sizes)}
     noise_fn, state = mf_gaussian_noise(template, FixedBLT(), n_steps=10_000, noise_multiplier=1.0, key=key(0))
-    grads = clipped({name: torch.ones(t.shape) for name, t in template.items()}, 1.0)
+    grads = clipped({name: torch.ones(t.shape, device=device) for name, t in template.items()}, 1.0)
     del template
-    floor_normals = torch.empty(elements)
-    floor_buffers = torch.zeros(buffers, elements)
-    generator = torch.Generator().manual_seed(0)
+    floor_normals = torch.empty(elements, device=device)
+    floor_buffers = torch.zeros(buffers, elements, device=device)
+    generator = torch.Generator(device=device).manual_seed(0)
 
     def floor():
         torch.randn(elements, generator=generator, out=floor_normals)
@@ -107,21 +127,25 @@ def worker(elements: int, tensors: int, buffers: int, repeats: int, threads: int
     del noisy
     best_floor = best_engine = float("inf")
     for _ in range(repeats):
+        sync()
         start = time.perf_counter()
         floor()
+        sync()
         best_floor = min(best_floor, time.perf_counter() - start)
         start = time.perf_counter()
         noisy, state = noise_fn(grads, state)
+        sync()
         best_engine = min(best_engine, time.perf_counter() - start)
         del noisy
     kept = []
-    extra = _peak_allocated_bytes(lambda: kept.append(noise_fn(grads, state))) / (4 * elements)
+    measure = _peak_cuda_bytes if cuda else _peak_allocated_bytes
+    extra = measure(lambda: kept.append(noise_fn(grads, state))) / (4 * elements)
     return {"floor": best_floor, "engine": best_engine, "extra_vectors": extra}
 
 
 def run_worker(args, elements, tensors, buffers) -> dict:
     command = [sys.executable, __file__, "--worker", str(elements), str(tensors), str(buffers),
-               "--repeats", str(args.repeats), "--threads", str(args.threads)]
+               "--repeats", str(args.repeats), "--threads", str(args.threads), "--device", args.device]
     completed = subprocess.run(command, capture_output=True, text=True, timeout=600)
     if completed.returncode != 0:
         raise RuntimeError(f"worker failed:\n{completed.stderr}")
@@ -154,20 +178,22 @@ def main() -> None:
     parser.add_argument("--peers", choices=("none", "single", "all"), default="single",
                         help="run the peers for single-tensor configurations (default), all, or none; "
                              "jax-privacy compiles 200-tensor models for about a minute")
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda; peers run on CPU only")
     parser.add_argument("--worker", nargs=3, type=int, metavar=("D", "TENSORS", "B"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.repeats = args.repeats or (5 if args.quick else 9)
     args.peer_repeats = 3
     if args.worker:
-        print(json.dumps(worker(*args.worker, repeats=args.repeats, threads=args.threads)))
+        print(json.dumps(worker(*args.worker, repeats=args.repeats, threads=args.threads, device=args.device)))
         return
 
     sizes = [10**6] if args.quick else [10**6, 10**7]
-    peers = [] if args.peers == "none" else list(PEERS)
+    peers = [] if args.peers == "none" or args.device != "cpu" else list(PEERS)
     header = f"{'d':>9} {'tensors':>7} {'B':>2} | {'floor ms':>9} {'opake ms':>9} {'ratio':>6} {'extra mem':>9}"
     for name in peers:
         header += f" | {name + ' ms':>16} {'ours/peer':>9}"
-    print(f"threads per process: {args.threads or 'library default'}; best of {args.repeats} steps")
+    print(f"device: {args.device}; threads per process: {args.threads or 'library default'}; "
+          f"best of {args.repeats} steps")
     print("extra mem: peak torch allocations during a step, in float32 d-vectors (target <= 1)")
     print(header)
     print("-" * len(header))

@@ -310,19 +310,6 @@ def test_the_engine_passes_the_participation_context_to_the_recipe():
     assert calls == [(50, 10, 5)]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_dense_check_on_cuda():
-    template = {"w": torch.zeros(3, 5, dtype=torch.float64, device="cuda")}
-    n = 6
-    recipe = hand_blt("three_buffers")
-    noise_fn, state = _engine(recipe, n, template=template, dtype=torch.float64)
-    noise, _ = run_noise(noise_fn, state, template, n)
-    identity_fn, identity_state = _engine(identity_strategy(), n, template=template, dtype=torch.float64)
-    draws, _ = run_noise(identity_fn, identity_state, template, n)
-    expected = dense_inverse_apply(dense_blt_matrix(recipe.omega, recipe.one_minus_theta, n), draws)
-    np.testing.assert_allclose(noise, expected, rtol=1e-12, atol=1e-12)
-
-
 # -- how the work is cut does not change the numbers ---------------------------------------------
 
 
