@@ -275,41 +275,47 @@ class CorrelatedNoise:
         """Cache-blocked (single-threaded CPU): stretches of about ``chunk`` columns go through
         draw, inverse and final add while in cache. A noise block longer than ``chunk`` is cut
         into chunks after its draw; shorter ones (small leaves) are grouped until they fill one,
-        so a model of many small tensors still makes one inverse call per chunk."""
+        so a model of many small tensors still makes one inverse call per chunk. Views come
+        from one ``split`` per segment (per-view ``narrow`` calls cost more than the small
+        leaves' arithmetic)."""
         slots = self.layout.leaves
-        pending = []        # (leaf index, start in the leaf, start in x, length) awaiting the inverse
+        pieces = x.split(segment.draw_lengths) if len(segment.draws) > 1 else (x,)
+        pending = []        # (gradient, x, out) views awaiting the inverse, in order along x
         pending_start = 0   # where the pending stretch starts in x
 
         def finish(stop: int) -> None:
-            # Inverse over x[pending_start:stop], then the adds of the blocks in that stretch.
+            # Inverse over x[pending_start:stop], then gradient + scale * x for its views.
             length = stop - pending_start
             self.inverse.advance(x.narrow(0, pending_start, length),
                                  buffers.narrow(1, segment.column + pending_start, length),
                                  self._coefficients, step)                          # x <- (C^{-1} z)_t
-            for index, leaf_begin, begin, size in pending:
-                x_part = x.narrow(0, begin, size)
-                if segment.direct:
-                    out = x_part
-                else:
-                    out = flats[segment.output_dtype].narrow(0, segment.output_offset + begin, size)
-                torch.add(gradients[index].narrow(0, leaf_begin, size), x_part, alpha=scale, out=out)
+            for gradient, x_part, out in pending:
+                torch.add(gradient, x_part, alpha=scale, out=out)
             pending.clear()
 
         start = 0  # where the current noise block starts in x
-        for (index, block), length in zip(segment.draws, segment.draw_lengths):
-            self._sampler.fill(x.narrow(0, start, length), step, slots[index].code, block)   # x <- z
-            leaf_begin = block * BLOCK_ELEMENTS
+        for (index, block), piece in zip(segment.draws, pieces):
+            self._sampler.fill(piece, step, slots[index].code, block)                # x <- z
+            length = piece.numel()
+            gradient = gradients[index]
+            if length != gradient.numel():
+                gradient = gradient.narrow(0, block * BLOCK_ELEMENTS, length)
+            if segment.direct:
+                out = piece
+            else:
+                out = flats[segment.output_dtype].narrow(0, segment.output_offset + start, length)
             if length >= chunk:
                 if pending:
                     finish(start)
-                for begin in range(0, length, chunk):
-                    pending_start = start + begin
-                    pending.append((index, leaf_begin + begin, start + begin, min(chunk, length - begin)))
-                    finish(start + begin + pending[-1][3])
+                parts = zip(gradient.split(chunk), piece.split(chunk), out.split(chunk))
+                for number, part in enumerate(parts):
+                    pending_start = start + number * chunk
+                    pending.append(part)
+                    finish(pending_start + part[1].numel())
             else:
                 if not pending:
                     pending_start = start
-                pending.append((index, leaf_begin, start, length))
+                pending.append((gradient, piece, out))
                 if start + length - pending_start >= chunk:
                     finish(start + length)
             start += length

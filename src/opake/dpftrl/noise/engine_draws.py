@@ -19,7 +19,12 @@ blocks per run the chance of any seed collision is below 1e-3 of a percent (n^2 
 
 Values differ between device types (different generators) and between compute dtypes (the
 float32 and float64 normal kernels differ): the key determines the noise for a given device
-type and dtype.
+type and dtype. On CUDA, torch's normal kernel spreads one Philox stream over a launch grid
+whose size depends on the GPU's multiprocessor count once a block needs more thread blocks
+than the GPU runs at once, so two GPU models may also give different values. A checkpoint
+therefore resumes bit-identically on the same device type (and GPU model); resumed elsewhere it
+continues with other draws that are just as independent and standard normal, so the
+guarantee is unchanged but the stream is not the same.
 """
 
 from __future__ import annotations
@@ -114,6 +119,7 @@ class BlockSampler:
         self._cpu = self.device.type == "cpu"
         self._derive = key.deriver(_DOMAIN)
         self._suffixes: dict[tuple[bytes, int], bytes] = {}  # (path, block) -> their encoding
+        self._step_code: tuple[int | None, bytes] = (None, b"")  # (step, its encoding)
         if self._cpu:
             self._state = _cpu_state_template().copy()
             self._state_tensor = torch.from_numpy(self._state)  # shares memory with _state
@@ -121,11 +127,13 @@ class BlockSampler:
 
     def _seed_bytes(self, step: int, path: bytes, block_index: int, size: int) -> bytes:
         # The derivation input is encode_parts((step, path, block_index)); the (path, block)
-        # part is cached, since every step reuses it.
+        # part is cached, since every step reuses it, and so is the current step's part.
         suffix = self._suffixes.get((path, block_index))
         if suffix is None:
             suffix = self._suffixes.setdefault((path, block_index), encode_parts((path, block_index)))
-        return self._derive.encoded(encode_parts((step,)) + suffix, size)
+        if self._step_code[0] != step:
+            self._step_code = (step, encode_parts((step,)))
+        return self._derive.encoded(self._step_code[1] + suffix, size)
 
     def fill(self, block: torch.Tensor, step: int, path: bytes, block_index: int) -> None:
         """Overwrite the 1-D contiguous ``block`` with its standard normals."""
