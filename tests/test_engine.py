@@ -313,11 +313,11 @@ def test_the_engine_passes_the_participation_context_to_the_recipe():
 # -- how the work is cut does not change the numbers ---------------------------------------------
 
 
-def _noise_with(monkeypatch, columns, template, n=3):
+def _noise_with(monkeypatch, columns, template, name="three_buffers", n=3):
     import opake.dpftrl.noise.engine as engine_module
 
     monkeypatch.setattr(engine_module, "columns_per_advance", lambda device: columns)
-    noise_fn, state = _engine(hand_blt("three_buffers"), n, template=template)
+    noise_fn, state = _engine(hand_blt(name), n, template=template)
     rows = []
     for step in range(n):
         # Leaf "b" is a bfloat16 parameter (scratch path) with float32 gradients.
@@ -327,13 +327,14 @@ def _noise_with(monkeypatch, columns, template, n=3):
     return torch.stack(rows), state.buffers.clone()
 
 
+@pytest.mark.parametrize("name", ["three_buffers", "zero_decay"])  # zero_decay renormalizes every step
 @pytest.mark.parametrize("columns", [2**16, 4099, 1000])
-def test_cache_blocked_and_whole_span_updates_are_bit_identical(monkeypatch, columns):
+def test_cache_blocked_and_whole_span_updates_are_bit_identical(monkeypatch, columns, name):
     # A leaf of two noise blocks, a bfloat16 leaf (scratch path) and many small leaves (grouped).
     template = {"a": torch.zeros(BLOCK_ELEMENTS + 2**17 + 13), "b": torch.zeros(3, 5, dtype=torch.bfloat16),
                 **{f"small{i:02d}": torch.zeros(300 + i) for i in range(12)}}
-    whole, whole_buffers = _noise_with(monkeypatch, None, template)
-    blocked, blocked_buffers = _noise_with(monkeypatch, columns, template)
+    whole, whole_buffers = _noise_with(monkeypatch, None, template, name)
+    blocked, blocked_buffers = _noise_with(monkeypatch, columns, template, name)
     assert torch.equal(whole, blocked) and torch.equal(whole_buffers, blocked_buffers)
 
 

@@ -182,3 +182,12 @@ def test_from_state_dict_never_shares_buffers_with_the_source():
     assert rebuilt == state and rebuilt.buffers.data_ptr() != state.buffers.data_ptr()
     _, advanced = noise_fn(_grads(1), rebuilt)  # accepted after the configuration check
     assert state.is_current and advanced.step == 2
+
+
+def test_a_checkpoint_of_another_state_version_is_refused():
+    # Version 1 stored the BLT buffers S themselves; this version stores them scaled per epoch,
+    # so reading a version-1 checkpoint would continue with wrong noise.
+    _, state = _engine()
+    saved = {**state.state_dict(), "version": 1}
+    with pytest.raises(ValueError, match="version 1 is not supported"):
+        state.load_state_dict(saved)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import mpmath
 import numpy as np
 import pytest
 import torch
@@ -14,11 +15,12 @@ from opake.dpftrl.noise.engine_streaming import (
     BufferedInverse,
     IdentityInverse,
     inverse_from_description,
+    renormalization_periods,
     streaming_inverse,
 )
 from opake.dpftrl.participation import Participation
 from opake.random import key
-from test_engine_support import dense_blt_matrix, dense_inverse_apply, hand_blt, run_noise
+from test_engine_support import HandRecipe, dense_blt_matrix, dense_inverse_apply, hand_blt, run_noise
 
 
 @dataclass(frozen=True, eq=False)
@@ -81,12 +83,66 @@ def test_banded_coefficients_are_validated():
         BandedInverse((1.0, float("inf")))
 
 
-def test_blt_coefficients_keep_one_minus_theta_exact_in_float32():
-    # theta = 1 - 2**-30 is 1.0 in float32; the engine stores 1 - theta, which float32 holds exactly.
+def test_blt_step_scalars_keep_a_decay_within_2_to_the_minus_30_of_one():
+    # theta = 1 - 2**-30 is 1.0 in float32; the scalars come from log1p(-(1 - theta)) in float64,
+    # so after 999 steps the read weight omega * theta**999 still shows the decay in float32.
     inverse = BufferedInverse((0.5, 0.25), (2.0**-30, 0.75))
-    omega, minus_one_minus_theta = inverse.coefficients(torch.float32, torch.device("cpu"))
-    assert omega.tolist() == [0.5, 0.25]
-    assert minus_one_minus_theta.flatten().tolist() == [-(2.0**-30), -0.75]
+    read, renormalize, add = inverse.at_step(inverse.coefficients(torch.float32, torch.device("cpu")), 1000)
+    mpmath.mp.dps = 50
+    theta = 1 - mpmath.mpf(2) ** -30
+    expected_read = float(np.float32(float(mpmath.mpf("0.5") * theta**999)))
+    assert read[0].item() == expected_read and expected_read < 0.5
+    # theta = 0.25: period floor(32 / 2) = 16; step 1000 = 62 * 16 + 8 is inside an epoch.
+    assert renormalize == ()
+    assert read[1].item() == float(np.float32(0.25 * 0.25**7))
+    assert add[1, 0].item() == float(np.float32(0.25**-8))
+    assert add[0, 0].item() == float(np.float32(float(theta**-1000)))
+
+
+def test_renormalization_periods_hand_values_and_growth_bound():
+    one_minus_theta = np.array([0.5, 0.75, 1.0, 0.0, 2.0**-6, 2.0**-30])
+    periods = renormalization_periods(one_minus_theta)
+    assert periods[:4].tolist() == [32, 16, 1, np.iinfo(np.int64).max]
+    mpmath.mp.dps = 50
+    for one_minus, period in zip(one_minus_theta[4:], periods[4:]):
+        theta = 1 - mpmath.mpf(one_minus)
+        # The largest K with theta**-K <= 2**32 (the stored values grow at most 2**32).
+        assert theta ** -int(period) <= 2**32 < theta ** -(int(period) + 1)
+
+
+def test_blt_step_scalars_at_epoch_boundaries():
+    # theta = 0.5 (period 32) and theta = 0 (period 1, renormalized to zero every step).
+    inverse = BufferedInverse((0.25, 0.125), (0.5, 1.0))
+    coefficients = inverse.coefficients(torch.float64, torch.device("cpu"))
+    read, renormalize, add = inverse.at_step(coefficients, 0)
+    assert read.tolist() == [0.25, 0.125] and renormalize == () and add.flatten().tolist() == [1.0, 1.0]
+    # Powers come from exp(k log theta) in float64: within a few ulps of the exact values.
+    close = dict(rel=1e-14, abs=0)
+    read, renormalize, add = inverse.at_step(coefficients, 31)
+    assert read.tolist() == pytest.approx([0.25 * 0.5**30, 0.125], **close) and renormalize == ((1, 0.0),)
+    assert add.flatten().tolist() == pytest.approx([2.0**31, 1.0], **close)
+    read, renormalize, add = inverse.at_step(coefficients, 32)
+    assert read.tolist() == pytest.approx([0.25 * 0.5**31, 0.125], **close)
+    assert [row for row, _ in renormalize] == [0, 1]
+    assert [factor for _, factor in renormalize] == pytest.approx([0.5**32, 0.0], **close)
+    assert add.flatten().tolist() == [1.0, 1.0]
+
+
+def test_float64_stream_matches_the_dense_solve_across_many_renormalizations():
+    # Periods 32, 16, 1 and one longer than the run, over 150 steps: every kind of epoch
+    # boundary, and a buffer whose stored values grow by theta**-149 unrenormalized, in float64.
+    recipe = HandRecipe((0.25, 0.125, 0.0625, 0.03125), (0.5, 0.75, 1.0, 2.0**-6))
+    n, template = 150, {"w": torch.zeros(6, dtype=torch.float64)}
+    periods = renormalization_periods(recipe.one_minus_theta)
+    assert periods[:3].tolist() == [32, 16, 1] and periods[3] > n
+    noise_fn, state = mf_gaussian_noise(template, recipe, n_steps=n, noise_multiplier=1.0, key=key(4),
+                                        dtype=torch.float64)
+    noise, _ = run_noise(noise_fn, state, template, n)
+    identity_fn, identity_state = mf_gaussian_noise(template, identity_strategy(), n_steps=n, noise_multiplier=1.0,
+                                                    key=key(4), dtype=torch.float64)
+    draws, _ = run_noise(identity_fn, identity_state, template, n)
+    exact = dense_inverse_apply(dense_blt_matrix(recipe.omega, recipe.one_minus_theta, n), draws)
+    np.testing.assert_allclose(noise, exact, rtol=1e-12, atol=1e-12 * np.abs(exact).max())
 
 
 @pytest.mark.parametrize("name", ["near_one_decay", "three_buffers"])

@@ -124,8 +124,9 @@ def check_minsep_preconditions(params: BLTParams) -> None:
 def round_for_float32(params: BLTParams) -> BLTParams:
     """Parameters whose omega and 1 - theta are exactly representable in float32.
 
-    The noise engine updates buffers as S <- S - (1 - theta) S + x, so a decay within 1e-9 of
-    1 survives float32 (theta itself would round to 1.0). omega is rounded toward zero, which
+    The noise engine works from omega and 1 - theta (its per-step scalars come from
+    log1p(-(1 - theta))), so a decay within 1e-9 of 1 survives float32 (theta itself would
+    round to 1.0). omega is rounded toward zero, which
     keeps omega >= 0 and sum(omega) from growing; 1 - theta is rounded to nearest and then to
     the float64 grid near 1 (dropping low bits keeps it a float32). Decays that coincide after
     rounding are merged (their omegas add), which leaves C unchanged.

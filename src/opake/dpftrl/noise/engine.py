@@ -19,8 +19,9 @@ that clipping holds to float32 rounding); ``gradient + scale * x`` is formed in 
 the gradient's and the compute dtype and rounded once to the template's dtype, which is
 post-processing of the noised value. z is drawn straight into that output (or, when the
 template's dtype differs from the compute dtype, into a scratch of at most one noise block),
-turned into x in place, folded into the buffers with three fused
-in-place torch ops (cache-blocked when single-threaded, see ``columns_per_advance``), and
+turned into x in place, folded into the buffers with fused in-place torch ops (for a BLT two
+passes: a matrix-vector product and a broadcast multiply-add, see ``engine_streaming``;
+cache-blocked when single-threaded, see ``columns_per_advance``), and
 finally overwritten by ``gradient + scale * x``. Python loops run over leaves, noise blocks and
 cache blocks only, never over elements. The step plan (which stretch of the output and the
 buffers each leaf uses) depends only on the template and the compute dtype and is computed
@@ -72,11 +73,12 @@ _CPU_CHUNK = 2**16
 def columns_per_advance(device: torch.device) -> int | None:
     """How many buffer columns one call of the streaming inverse processes (None: all).
 
-    The inverse makes three passes over its (B, n) columns (sum over buffers, decay, add x).
-    Single-threaded on a CPU, cutting the columns into cache-sized pieces (2**16 columns, at
-    most 2 MiB of float32 buffers for B = 8) lets the second and third pass, and the final
-    gradient + scale * x, hit the cache, so DRAM sees one read and one write of the buffers, as
-    in the floor (mixed-dtype adds then also work on pieces of this size). With several threads
+    A BLT inverse makes two passes over its (B, n) columns (the sum over buffers, then the
+    multiply-add of x), a banded one a sum and a row copy. Single-threaded on a CPU, cutting the
+    columns into cache-sized pieces (2**16 columns, at most 2 MiB of float32 buffers for B = 8)
+    lets the second pass, and the final gradient + scale * x, hit the cache, so DRAM sees one
+    read and one write of the buffers, as in the floor (mixed-dtype adds then also work on
+    pieces of this size). With several threads
     each torch op is parallel, and many small parallel regions cost more than they save, so
     the whole span goes at once; on GPUs too. The values do not depend on this choice: every
     op is elementwise over columns (tests check the two give bit-identical noise).
@@ -240,24 +242,25 @@ class CorrelatedNoise:
         """Fill x with z, turn it into x_t, fold it into the buffers, write gradient + scale x."""
         gradients = [leaf if leaf.dim() == 1 else leaf.reshape(-1) for leaf in leaves]
         chunk = columns_per_advance(self.device)
+        coefficients = self.inverse.at_step(self._coefficients, step)  # once, for every stretch
         for segment in plan.segments:
             if segment.direct:
                 x = flats[segment.output_dtype].narrow(0, segment.output_offset, segment.length)
             else:
                 x = scratch if scratch.numel() == segment.length else scratch.narrow(0, 0, segment.length)
             if chunk is None:
-                self._advance_whole(segment, x, gradients, flats, buffers, step, scale)
+                self._advance_whole(segment, x, gradients, flats, buffers, step, scale, coefficients)
             else:
-                self._advance_blocked(segment, x, gradients, flats, buffers, step, scale, chunk)
+                self._advance_blocked(segment, x, gradients, flats, buffers, step, scale, coefficients, chunk)
 
-    def _advance_whole(self, segment, x, gradients, flats, buffers, step, scale) -> None:
+    def _advance_whole(self, segment, x, gradients, flats, buffers, step, scale, coefficients) -> None:
         """Few large ops (for several threads or a GPU): all draws, one inverse call, the adds."""
         slots = self.layout.leaves
         pieces = x.split(segment.draw_lengths) if len(segment.draws) > 1 else (x,)
         for (index, block), piece in zip(segment.draws, pieces):
             self._sampler.fill(piece, step, slots[index].code, block)                 # x <- z
         columns = buffers.narrow(1, segment.column, segment.length)
-        self.inverse.advance(x, columns, self._coefficients, step)                   # x <- (C^{-1} z)_t
+        self.inverse.advance(x, columns, coefficients)                               # x <- (C^{-1} z)_t
         if segment.direct:
             # x is the output: overwrite each leaf's stretch with gradient + scale * x.
             outs = x.split([length for _, _, length, _ in segment.adds]) if len(segment.adds) > 1 else (x,)
@@ -271,7 +274,7 @@ class CorrelatedNoise:
             out = flats[segment.output_dtype].narrow(0, output_offset, length)
             self._add_in_pieces(gradients[index].narrow(0, leaf_begin, length), x, out, scale)
 
-    def _advance_blocked(self, segment, x, gradients, flats, buffers, step, scale, chunk) -> None:
+    def _advance_blocked(self, segment, x, gradients, flats, buffers, step, scale, coefficients, chunk) -> None:
         """Cache-blocked (single-threaded CPU): stretches of about ``chunk`` columns go through
         draw, inverse and final add while in cache. A noise block longer than ``chunk`` is cut
         into chunks after its draw; shorter ones (small leaves) are grouped until they fill one,
@@ -288,14 +291,15 @@ class CorrelatedNoise:
             length = stop - pending_start
             self.inverse.advance(x.narrow(0, pending_start, length),
                                  buffers.narrow(1, segment.column + pending_start, length),
-                                 self._coefficients, step)                          # x <- (C^{-1} z)_t
+                                 coefficients)                                      # x <- (C^{-1} z)_t
             for gradient, x_part, out in pending:
                 torch.add(gradient, x_part, alpha=scale, out=out)
             pending.clear()
 
-        start = 0  # where the current noise block starts in x
         for (index, block), piece in zip(segment.draws, pieces):
             self._sampler.fill(piece, step, slots[index].code, block)                # x <- z
+        start = 0  # where the current noise block starts in x
+        for (index, block), piece in zip(segment.draws, pieces):
             length = piece.numel()
             gradient = gradients[index]
             if length != gradient.numel():

@@ -11,7 +11,7 @@ rounding of the noised value is post-processing). Segments: a *segment* is a str
 columns advanced by one call of the streaming inverse, on a 1-D ``x`` in the compute dtype that
 first receives z. A run of consecutive leaves whose template dtype is the compute dtype is one
 segment whose ``x`` is their (contiguous) output: with uniform dtypes the whole model is a
-single segment, so the buffer math costs three torch ops per step whatever the number of
+single segment, so the buffer math costs a few torch ops per step whatever the number of
 tensors. A leaf in another dtype cannot hold x in its output; it is advanced one noise block at
 a time through a scratch of at most one block.
 """

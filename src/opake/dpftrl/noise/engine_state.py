@@ -35,7 +35,9 @@ from opake.random import RngKey
 __all__ = ["CorruptedStateError", "NoiseHorizonError", "NoiseState", "RetiredStateError"]
 
 STATE_FORMAT = "opake.dpftrl.noise.NoiseState"
-STATE_VERSION = 1
+STATE_VERSION = 2
+# 2: BLT buffers hold the stored form R_i = theta_i^-(t - e_i) S_i (engine_streaming); version 1
+# held S itself, so a version-1 checkpoint would continue with wrong noise and is refused.
 
 
 class RetiredStateError(RuntimeError):
@@ -183,7 +185,9 @@ class NoiseState:
         """Plain-data checkpoint (loads with ``torch.load(..., weights_only=True)``).
 
         Like ``nn.Module.state_dict``, the ``"buffers"`` entry is the live tensor, which the
-        next ``noise_fn`` call overwrites: save it right away, or clone it.
+        next ``noise_fn`` call overwrites: save it right away, or clone it. It is in the
+        streaming inverse's stored form (for a BLT, scaled per epoch; see ``engine_streaming``),
+        meaningful together with ``"step"`` and ``"inverse"`` only.
         """
         self.require_current()
         return {

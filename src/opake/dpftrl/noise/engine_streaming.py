@@ -13,9 +13,12 @@ rows it needs and how to advance them. Each strategy family resolves to one:
 Every one is elementwise across the d columns: column j of the buffers only ever meets element
 j of z, so the engine may process the columns in any grouping and get the same numbers.
 
-A new strategy family plugs in by adding a class with the same three members
-(``num_buffers``, ``coefficients``, ``advance``) plus ``describe``, and one branch in
-:func:`streaming_inverse`; the engine core stays as it is.
+Protocol: ``coefficients(dtype, device)`` once per engine (whatever does not change), then per
+step ``at_step(coefficients, step)`` (the step's small coefficient tensors, computed once and
+shared by every stretch of columns) and ``advance(x, buffers, step_coefficients)`` on each
+stretch. A new strategy family plugs in by adding a class with these members plus
+``num_buffers``, ``check_dtype`` and ``describe``, and one branch in :func:`streaming_inverse`;
+the engine core stays as it is.
 """
 
 from __future__ import annotations
@@ -50,7 +53,10 @@ class IdentityInverse:
     def coefficients(self, dtype: torch.dtype, device: torch.device) -> tuple:
         return ()
 
-    def advance(self, x: torch.Tensor, buffers: torch.Tensor, coefficients: tuple, step: int) -> None:
+    def at_step(self, coefficients: tuple, step: int) -> tuple:
+        return ()
+
+    def advance(self, x: torch.Tensor, buffers: torch.Tensor, step_coefficients: tuple) -> None:
         """x_t = z_t: nothing to do."""
 
     def describe(self) -> dict:
@@ -61,8 +67,27 @@ class IdentityInverse:
 class BufferedInverse:
     """x = C^{-1} z for a BLT C with decays theta and output scales omega (MATH.md section 2).
 
-    Stored as ``omega`` and ``one_minus_theta`` (tuples of float64) because that is the form the
-    recurrence uses: decays within 1e-9 of 1 are exact as 1 - theta but round to 1.0 as theta.
+    Recurrence (MATH.md section 2, C^{-1} with C's own parameters), per column:
+        x_t = z_t - sum_i omega_i S_i ;   then S_i <- theta_i S_i + x_t.
+
+    Stored form. Applied literally that is three passes over the (B, n) buffers per step (sum,
+    decay, add). The buffers instead hold R_i = theta_i^-(t - e_i) S_i, with e_i the start of
+    buffer i's current *epoch* (a multiple of its period K_i, see :func:`renormalization_periods`),
+    so the decay moves into per-step scalars:
+        x_t = z_t - sum_i (omega_i theta_i^(t-1-e_i)) R_i      (one matrix-vector product)
+        R_i <- R_i + theta_i^-(t-e_i) x_t                     (one broadcast multiply-add)
+    two passes, the second read-modify-write like the floor's. When step t opens a new epoch of
+    buffer i, R_i is first multiplied by theta_i^K_i (its S_i(t-1), times theta_i, in the new
+    epoch's scale): one more pass over that row once every K_i steps. K_i keeps the factors
+    theta_i^-(t-e_i) below 2**32, far inside float32's range.
+
+    The scalars are computed in float64 from log(theta_i) = log1p(-(1 - theta_i)), so decays within
+    1e-12 of 1 keep their decay (as theta in float32 they would be 1.0), and each is rounded once
+    to the compute dtype: the rounding is of the same size as that of the literal recurrence,
+    and, like it, identical for every column, so any grouping of the columns gives the same bits.
+
+    Stored as ``omega`` and ``one_minus_theta`` (tuples of float64) because 1 - theta is the exact
+    form of a decay near 1.
     """
 
     omega: tuple[float, ...]
@@ -115,25 +140,40 @@ class BufferedInverse:
             )
 
     def coefficients(self, dtype: torch.dtype, device: torch.device) -> tuple:
-        omega = torch.tensor(self.omega, dtype=dtype, device=device)
-        minus_one_minus_theta = torch.tensor(self.one_minus_theta, dtype=dtype, device=device).neg_()
-        return omega, minus_one_minus_theta.reshape(-1, 1)
+        """(dtype, device, omega, log theta, periods): the float64 data every step's scalars
+        come from (no tensors: the per-step ones are made by :meth:`at_step`)."""
+        one_minus_theta = np.asarray(self.one_minus_theta)
+        with np.errstate(divide="ignore"):
+            log_theta = np.log1p(-one_minus_theta)  # -inf for theta = 0
+        return dtype, device, np.asarray(self.omega), log_theta, renormalization_periods(one_minus_theta)
 
-    def advance(self, x: torch.Tensor, buffers: torch.Tensor, coefficients: tuple, step: int) -> None:
-        """One step on a stretch of columns: x holds z_t on entry and x_t on exit.
+    def at_step(self, coefficients: tuple, step: int) -> tuple:
+        """(read, renormalize, add) for step ``step`` (see the class docstring):
 
-        Recurrence (MATH.md section 2, C^{-1} with C's own parameters), per column:
-            x_t = z_t - sum_i omega_i * S_i
-            S_i <- S_i - (1 - theta_i) * S_i + x_t
-        The decay is applied as S - (1 - theta) S rather than theta S so that 1 - theta of order
-        1e-9 is not lost in float32. Three fused in-place torch ops; the sum over buffers is one
-        matrix-vector product over the (B, n) block (``buffers`` may be a column slice of the
-        state, i.e. rows strided by d).
+        - ``read``: (B,) tensor, omega_i theta_i^(t-1-e_i(t-1)), the weights of the stored R(t-1);
+        - ``renormalize``: ((row, theta_row^K_row), ...) for the buffers whose epoch starts at t;
+        - ``add``: (B, 1) tensor, theta_i^-(t-e_i(t)), the weight of x_t in the new R_i(t).
         """
-        omega, minus_one_minus_theta = coefficients
-        x.addmv_(buffers.t(), omega, alpha=-1)
-        buffers.addcmul_(buffers, minus_one_minus_theta)
-        buffers.add_(x)
+        dtype, device, omega, log_theta, periods = coefficients
+        previous = max(step - 1, 0)
+        read_power = previous - previous // periods * periods          # (t-1) - e_i(t-1)
+        add_power = step - step // periods * periods                   # t - e_i(t)
+        renormalize = () if step == 0 else tuple(
+            (row, _power(log_theta[row], int(periods[row]), dtype)) for row in np.flatnonzero(step % periods == 0)
+        )
+        read = omega * _powers(log_theta, read_power)
+        add = _powers(log_theta, -add_power)
+        return (torch.tensor(read, dtype=dtype, device=device), renormalize,
+                torch.tensor(add, dtype=dtype, device=device).reshape(-1, 1))
+
+    def advance(self, x: torch.Tensor, buffers: torch.Tensor, step_coefficients: tuple) -> None:
+        """One step on a stretch of columns: x holds z_t on entry and x_t on exit; ``buffers``
+        is the matching (B, n) column slice of the state (rows strided by d)."""
+        read, renormalize, add = step_coefficients
+        x.addmv_(buffers.t(), read, alpha=-1)
+        for row, factor in renormalize:
+            buffers[row].mul_(factor)
+        buffers.addcmul_(add, x)
 
     def describe(self) -> dict:
         return {"kind": "blt", "omega": list(self.omega), "one_minus_theta": list(self.one_minus_theta)}
@@ -183,21 +223,55 @@ class BandedInverse:
                 weights[phase, row] = c[lag]
         return torch.tensor(weights, dtype=dtype, device=device), float(c[0])
 
-    def advance(self, x: torch.Tensor, buffers: torch.Tensor, coefficients: tuple, step: int) -> None:
-        m = self.num_buffers
-        if m == 0:
-            if coefficients[1] != 1.0:
-                x.div_(coefficients[1])
-            return
+    def at_step(self, coefficients: tuple, step: int) -> tuple:
         weights, c0 = coefficients
-        phase = step % m
-        x.addmv_(buffers.t(), weights[phase], alpha=-1)
+        m = self.num_buffers
+        phase = step % m if m else 0
+        return weights[phase], c0, phase
+
+    def advance(self, x: torch.Tensor, buffers: torch.Tensor, step_coefficients: tuple) -> None:
+        weights, c0, phase = step_coefficients
+        if self.num_buffers:
+            x.addmv_(buffers.t(), weights, alpha=-1)
         if c0 != 1.0:
             x.div_(c0)
-        buffers[phase].copy_(x)
+        if self.num_buffers:
+            buffers[phase].copy_(x)
 
     def describe(self) -> dict:
         return {"kind": "banded", "coefs": list(self.coefs)}
+
+
+GROWTH_BITS = 32
+"""A stored BLT buffer is rescaled before its values outgrow the true ones by 2**GROWTH_BITS."""
+
+
+def renormalization_periods(one_minus_theta) -> np.ndarray:
+    """K_i = max(1, floor(GROWTH_BITS / log2(1 / theta_i))) as int64; theta_i = 1 never needs one
+    (its K_i is the largest int64, so its epoch is always 0 for any feasible step)."""
+    one_minus_theta = np.asarray(one_minus_theta, dtype=np.float64)
+    with np.errstate(divide="ignore"):
+        bits_per_step = -np.log1p(-one_minus_theta) / math.log(2.0)  # log2(1 / theta), inf for 0
+    periods = np.full(one_minus_theta.shape, np.iinfo(np.int64).max, dtype=np.int64)
+    decaying = bits_per_step > 0
+    # Periods beyond 2**62 steps are never reached; capping them keeps the int64 exact.
+    capped = np.minimum(np.floor(GROWTH_BITS / bits_per_step[decaying]), 2.0**62)
+    periods[decaying] = np.maximum(1, capped).astype(np.int64)
+    return periods
+
+
+def _powers(log_theta: np.ndarray, exponents) -> np.ndarray:
+    """theta_i ** k_i in float64 from log(theta_i), with theta ** 0 = 1 also for theta = 0."""
+    exponents = np.broadcast_to(np.asarray(exponents, dtype=np.float64), log_theta.shape)
+    with np.errstate(invalid="ignore"):
+        values = np.exp(exponents * log_theta)
+    return np.where(exponents == 0, 1.0, values)
+
+
+def _power(log_theta: float, exponent: int, dtype: torch.dtype) -> float:
+    """theta ** exponent (exponent >= 1) rounded to ``dtype``, as a Python float."""
+    value = float(np.exp(exponent * log_theta))
+    return float(torch.tensor(value, dtype=dtype).item())
 
 
 def streaming_inverse(mechanism):

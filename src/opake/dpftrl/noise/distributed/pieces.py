@@ -65,6 +65,7 @@ class PieceStream:
         """``gradients[i]`` and ``outputs[i]``: 1-D tensors of piece i's length (outputs may be
         any floating dtype); ``buffers``: this rank's (B, size) buffers, updated in place."""
         chunk = columns_per_advance(self.device)
+        coefficients = self.inverse.at_step(self._coefficients, step)
         for piece, gradient, output in zip(self.pieces, gradients, outputs):
             first = piece.start // BLOCK_ELEMENTS
             last = -(-piece.stop // BLOCK_ELEMENTS)
@@ -89,6 +90,6 @@ class PieceStream:
                     size = min(step_size, length - begin)
                     x_part = x.narrow(0, begin, size)
                     self.inverse.advance(x_part, buffers.narrow(1, columns + begin, size),
-                                         self._coefficients, step)                         # x <- (C^{-1} z)_t
+                                         coefficients)                                     # x <- (C^{-1} z)_t
                     torch.add(grad.narrow(0, begin, size), x_part, alpha=scale,
                               out=out.narrow(0, begin, size))
