@@ -204,3 +204,31 @@ def test_ownership_maps_are_deterministic_and_cover_every_element():
                 parts = sorted(seen[leaf])
                 assert parts[0][0] == 0 and parts[-1][1] == slot.numel
                 assert all(a[1] == b[0] for a, b in zip(parts, parts[1:]))
+
+
+def test_fsdp_shard_checkpoint_resumes_bit_identically_and_refuses_other_shards(tmp_path, reference):
+    tmpl = workers.template()
+    shards = optree.tree_map(lambda leaf: slice(leaf.numel() // 4, leaf.numel() - 3), tmpl)
+
+    def build(cut=shards):
+        return shard_mf_gaussian_noise(tmpl, workers.strategy(), shards=cut, n_steps=workers.STEPS,
+                                       noise_multiplier=workers.SIGMA, key=key(0))
+
+    def step(noise_fn, state, t):
+        grads = optree.tree_map(lambda g, s: g.reshape(-1)[s], workers.gradients(t), shards)
+        return noise_fn(clipped(grads, workers.L2), state)
+
+    noise_fn, state = build()
+    for t in range(2):
+        _, state = step(noise_fn, state, t)
+    torch.save(state.state_dict(), tmp_path / "shard.pt")
+    saved = torch.load(tmp_path / "shard.pt", weights_only=True)
+    fresh_fn, fresh_state = build()
+    state = fresh_state.load_state_dict(saved)
+    for t in range(2, workers.STEPS):
+        noisy, state = step(fresh_fn, state, t)
+        assert_trees_equal(noisy.pytree, optree.tree_map(lambda e, s: e.reshape(-1)[s], reference[t], shards))
+    other = optree.tree_map(lambda leaf: slice(0, leaf.numel() // 2), tmpl)
+    _, other_state = build(other)
+    with pytest.raises(ValueError, match="layout_fingerprint"):
+        other_state.load_state_dict(saved)
