@@ -86,5 +86,9 @@ def clipped(pytree, l2_bound: float, normalization: float = 1.0) -> ClippedPytre
 
     Use this when the gradients did not come from opake's clipping; the noise stage takes only
     a :class:`ClippedPytree`, so the bound that scales the noise is always stated explicitly.
+    Form the sum in float32 or wider even for half-precision parameters (as ``clipped_grad``
+    does): a bfloat16 sum of a large batch moves by more than one example's contribution, so
+    it would not have the sensitivity ``l2_bound / normalization``. The noised gradients come
+    back in the noise engine's template dtypes either way.
     """
     return ClippedPytree(pytree=pytree, l2_bound=l2_bound, normalization=normalization)
