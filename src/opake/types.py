@@ -73,8 +73,10 @@ class ClippedPytree:
 class NoisedPytree:
     """Gradients with the mechanism's noise added: safe to release or apply to the model.
 
-    ``pytree`` has the structure, shapes and dtypes of the gradients that went in; ``step`` is
-    the 0-based training step whose noise was added.
+    ``pytree`` has the structure, shapes, dtypes and device of the noise engine's
+    ``grad_template`` (usually the parameters: bfloat16 parameters get bfloat16 noisy gradients
+    even when their clipped sums came in float32); ``step`` is the 0-based training step whose
+    noise was added.
     """
 
     pytree: Any
