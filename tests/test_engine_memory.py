@@ -78,3 +78,43 @@ def test_other_dtypes_add_a_fixed_scratch_only(template_dtype, grad_dtype, compu
     item = compute_dtype.itemsize
     bound = output_bytes * D + (item * 2**20 if scratch else 0) + 2 * item * 2**16 + 2**16
     assert output_bytes * D <= peak <= bound, (peak, bound)
+
+
+def test_an_output_the_caller_dropped_is_reused_and_one_it_still_holds_is_never_overwritten():
+    template = {"a": torch.zeros(5000), "b": torch.zeros(3, 4)}
+    grads = clipped({"a": torch.ones(5000), "b": torch.ones(3, 4)}, 1.0)
+    n = 8  # three holders x two steps, then a drop and a reuse
+    recycling_fn, state = mf_gaussian_noise(template, FOUR_BUFFERS, n_steps=n, noise_multiplier=1.0, key=key(3))
+    reference_fn, reference_state = mf_gaussian_noise(template, FOUR_BUFFERS, n_steps=n, noise_multiplier=1.0,
+                                                      key=key(3))
+    reference = []
+    for _ in range(n):
+        noisy, reference_state = reference_fn(grads, reference_state)
+        reference.append(noisy)  # all kept: this engine never reuses memory
+
+    def step():
+        nonlocal state
+        noisy, state = recycling_fn(grads, state)
+        assert torch.equal(noisy.pytree["a"], reference[state.step - 1].pytree["a"])
+        assert torch.equal(noisy.pytree["b"], reference[state.step - 1].pytree["b"])
+        return noisy
+
+    holders = {
+        "one leaf": lambda noisy: noisy.pytree["b"],
+        "a detached view": lambda noisy: noisy.pytree["a"][10:20].detach(),
+        "a numpy array": lambda noisy: noisy.pytree["a"].numpy(),
+    }
+    for name, hold in holders.items():
+        noisy = step()
+        address = noisy.pytree["a"].data_ptr()
+        held = hold(noisy)
+        before = torch.as_tensor(held).clone()
+        del noisy
+        again = step()  # the caller still holds part of the last output: new memory
+        assert again.pytree["a"].data_ptr() != address, name
+        assert torch.equal(torch.as_tensor(held), before), name
+        del held, again
+    noisy = step()
+    address = noisy.pytree["a"].data_ptr()
+    del noisy
+    assert step().pytree["a"].data_ptr() == address  # dropped entirely: reused

@@ -13,7 +13,8 @@ strategy's streaming inverse (``engine_streaming``) from a (B, d) buffer state
 Memory and passes. All parameters share one flat (B, d) buffer tensor in the compute dtype
 (float32 by default, float64 on request), whatever the gradients' dtypes. A step allocates one
 d-vector: the output, in grad_template's dtype(s), whose zero-copy views are the leaves of the
-returned pytree (hinted to huge pages on Linux, see ``engine_pages``). Gradients may come in
+returned pytree (on CPU the last step's, once the caller no longer references it, else a new
+one hinted to huge pages, see ``engine_pages``). Gradients may come in
 any floating dtype (``clipped_grad`` returns float32 sums for half-precision parameters, so
 that clipping holds to float32 rounding); ``gradient + scale * x`` is formed in the wider of
 the gradient's and the compute dtype and rounded once to the template's dtype, which is
@@ -54,9 +55,9 @@ import torch
 
 from opake.dpftrl.noise.engine_draws import BLOCK_ELEMENTS, BlockSampler
 from opake.dpftrl.noise.engine_layout import Layout, path_text
-from opake.dpftrl.noise.engine_pages import advise_huge_pages
+from opake.dpftrl.noise.engine_pages import OutputVectors
 from opake.dpftrl.noise.engine_plan import plan_step
-from opake.dpftrl.noise.engine_state import check_state_for, NoiseState, _Storage
+from opake.dpftrl.noise.engine_state import check_state_for, NoiseState
 from opake.dpftrl.noise.engine_streaming import streaming_inverse
 from opake._checks import positive_finite
 from opake.dpftrl.participation import Participation
@@ -86,6 +87,20 @@ def columns_per_advance(device: torch.device) -> int | None:
     if device.type == "cpu" and torch.get_num_threads() == 1:
         return _CPU_CHUNK
     return None
+
+
+def add_noise(gradient: torch.Tensor, x: torch.Tensor, out: torch.Tensor, scale: float) -> None:
+    """out = gradient + scale * x, formed in the wider dtype of gradient and x, rounded once to
+    out's. Mixed-dtype adds make torch allocate casting buffers the size of their operands, so
+    those go in 64K-element pieces (512 KiB of buffers); uniform dtypes are one op."""
+    if gradient.dtype == x.dtype == out.dtype:
+        torch.add(gradient, x, alpha=scale, out=out)
+        return
+    length = x.numel()
+    for begin in range(0, length, _CAST_PIECE):
+        size = min(_CAST_PIECE, length - begin)
+        torch.add(gradient.narrow(0, begin, size), x.narrow(0, begin, size), alpha=scale,
+                  out=out.narrow(0, begin, size))
 
 
 def _resolve(strategy, participation: Participation):
@@ -128,6 +143,7 @@ class CorrelatedNoise:
         self._sampler = BlockSampler(key, self.device)
         self._fingerprint = str(getattr(mechanism, "fingerprint", ""))
         self._plan = plan_step(layout, dtype)
+        self._outputs = OutputVectors(self.device)
 
     def check_accounted_by(self, process) -> None:
         """Raise unless ``process`` priced exactly this noise (same mechanism, same multiplier).
@@ -159,11 +175,7 @@ class CorrelatedNoise:
 
     def init(self) -> NoiseState:
         """A fresh state: zero buffers, step 0."""
-        buffers = torch.zeros((self.inverse.num_buffers, self.size), dtype=self.dtype, device=self.device)
-        return NoiseState(
-            0, self.participation.n_steps, self.key, self.noise_multiplier, self._fingerprint,
-            self.layout.fingerprint, self.inverse, _Storage(buffers, 0), self,
-        )
+        return NoiseState.fresh(self, self.size, self._fingerprint, self.layout.fingerprint)
 
     # -- checks (all run before any buffer is written) ----------------------------------------
 
@@ -217,9 +229,7 @@ class CorrelatedNoise:
         scale = self.noise_multiplier * clipped.l2_bound / clipped.normalization
         plan = self._plan
         # Allocate before touching the buffers: an out-of-memory error leaves them intact.
-        flats = {dtype: torch.empty(total, dtype=dtype, device=self.device) for dtype, total in plan.totals}
-        for flat in flats.values():
-            advise_huge_pages(flat)
+        flats = {dtype: self._outputs.get(dtype, total) for dtype, total in plan.totals}
         scratch = None
         if plan.scratch_length:
             scratch = torch.empty(plan.scratch_length, dtype=self.dtype, device=self.device)
@@ -265,22 +275,20 @@ class CorrelatedNoise:
             # x is the output: overwrite each leaf's stretch with gradient + scale * x.
             outs = x.split([length for _, _, length, _ in segment.adds]) if len(segment.adds) > 1 else (x,)
             for (index, _, _, _), out in zip(segment.adds, outs):
-                if gradients[index].dtype == out.dtype:
-                    torch.add(gradients[index], out, alpha=scale, out=out)
-                else:
-                    self._add_in_pieces(gradients[index], out, out, scale)
+                add_noise(gradients[index], out, out, scale)
         else:
             (index, leaf_begin, length, output_offset), = segment.adds
             out = flats[segment.output_dtype].narrow(0, output_offset, length)
-            self._add_in_pieces(gradients[index].narrow(0, leaf_begin, length), x, out, scale)
+            add_noise(gradients[index].narrow(0, leaf_begin, length), x, out, scale)
 
     def _advance_blocked(self, segment, x, gradients, flats, buffers, step, scale, coefficients, chunk) -> None:
-        """Cache-blocked (single-threaded CPU): stretches of about ``chunk`` columns go through
-        draw, inverse and final add while in cache. A noise block longer than ``chunk`` is cut
-        into chunks after its draw; shorter ones (small leaves) are grouped until they fill one,
-        so a model of many small tensors still makes one inverse call per chunk. Views come
-        from one ``split`` per segment (per-view ``narrow`` calls cost more than the small
-        leaves' arithmetic)."""
+        """Cache-blocked (single-threaded CPU): all draws first (measured faster than drawing
+        between the stretches, whose dirty buffer lines the draws would then write back), then
+        stretches of about ``chunk`` columns go through the inverse and the final add while in
+        cache. A noise block longer than ``chunk`` is cut into chunks; shorter ones (small
+        leaves) are grouped until they fill one, so a model of many small tensors still makes
+        one inverse call per chunk. Views come from one ``split`` per segment (per-view
+        ``narrow`` calls cost more than the small leaves' arithmetic)."""
         slots = self.layout.leaves
         pieces = x.split(segment.draw_lengths) if len(segment.draws) > 1 else (x,)
         pending = []        # (gradient, x, out) views awaiting the inverse, in order along x
@@ -293,7 +301,7 @@ class CorrelatedNoise:
                                  buffers.narrow(1, segment.column + pending_start, length),
                                  coefficients)                                      # x <- (C^{-1} z)_t
             for gradient, x_part, out in pending:
-                torch.add(gradient, x_part, alpha=scale, out=out)
+                add_noise(gradient, x_part, out, scale)
             pending.clear()
 
         for (index, block), piece in zip(segment.draws, pieces):
@@ -325,16 +333,6 @@ class CorrelatedNoise:
             start += length
         if pending:
             finish(start)
-
-    @staticmethod
-    def _add_in_pieces(gradient, x, out, scale) -> None:
-        # Mixed-dtype adds make torch allocate casting buffers the size of their operands;
-        # 64K-element pieces keep those at 512 KiB.
-        length = x.numel()
-        for begin in range(0, length, _CAST_PIECE):
-            size = min(_CAST_PIECE, length - begin)
-            torch.add(gradient.narrow(0, begin, size), x.narrow(0, begin, size), alpha=scale,
-                      out=out.narrow(0, begin, size))
 
 
 def mf_gaussian_noise(

@@ -146,6 +146,17 @@ class NoiseState:
         self.require_current()
         return self._storage.buffers
 
+    @classmethod
+    def fresh(cls, origin, columns: int, mechanism_fingerprint: str, layout_fingerprint: str) -> NoiseState:
+        """Step 0 with zero (B, columns) buffers for the stage ``origin`` (an engine or a
+        distributed stage: ``inverse``, ``participation``, ``key``, ``noise_multiplier``,
+        ``dtype``, ``device``)."""
+        buffers = torch.zeros((origin.inverse.num_buffers, columns), dtype=origin.dtype, device=origin.device)
+        return cls(
+            0, origin.participation.n_steps, origin.key, origin.noise_multiplier, mechanism_fingerprint,
+            layout_fingerprint, origin.inverse, _Storage(buffers, 0), origin,
+        )
+
     # -- derived states -------------------------------------------------------------------
 
     def _with(self, step: int, storage: _Storage) -> NoiseState:

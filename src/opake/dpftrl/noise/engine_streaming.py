@@ -158,9 +158,9 @@ class BufferedInverse:
         previous = max(step - 1, 0)
         read_power = previous - previous // periods * periods          # (t-1) - e_i(t-1)
         add_power = step - step // periods * periods                   # t - e_i(t)
-        renormalize = () if step == 0 else tuple(
-            (row, _power(log_theta[row], int(periods[row]), dtype)) for row in np.flatnonzero(step % periods == 0)
-        )
+        rows = np.flatnonzero(step % periods == 0) if step else np.zeros(0, dtype=np.int64)
+        # Python floats: torch rounds a scalar once to the buffers' dtype, on every device.
+        renormalize = tuple(zip(rows.tolist(), _powers(log_theta[rows], periods[rows]).tolist()))
         read = omega * _powers(log_theta, read_power)
         add = _powers(log_theta, -add_power)
         return (torch.tensor(read, dtype=dtype, device=device), renormalize,
@@ -266,12 +266,6 @@ def _powers(log_theta: np.ndarray, exponents) -> np.ndarray:
     with np.errstate(invalid="ignore"):
         values = np.exp(exponents * log_theta)
     return np.where(exponents == 0, 1.0, values)
-
-
-def _power(log_theta: float, exponent: int, dtype: torch.dtype) -> float:
-    """theta ** exponent (exponent >= 1) rounded to ``dtype``, as a Python float."""
-    value = float(np.exp(exponent * log_theta))
-    return float(torch.tensor(value, dtype=dtype).item())
 
 
 def streaming_inverse(mechanism):

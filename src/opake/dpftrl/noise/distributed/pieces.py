@@ -6,7 +6,7 @@ pieces, exactly what the single-process engine (``engine.CorrelatedNoise``) comp
 elements: the same keyed block draws (``engine_draws.BlockSampler``: z depends only on key,
 step, parameter path and block index), the same streaming inverse (``engine_streaming``; every
 op is elementwise over buffer columns) in the same compute dtype, and the same final
-``torch.add(gradient, x, alpha=scale, out=out)``. A piece that starts or stops inside a noise
+``engine.add_noise`` (gradient + scale * x). A piece that starts or stops inside a noise
 block draws the whole block into a one-block scratch and keeps its slice, so any cut of the
 parameters (whole tensors, blocks, FSDP shards) reproduces the single-process values bit for
 bit (tests check this with ``torch.equal``).
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from opake.dpftrl.noise.engine import columns_per_advance
+from opake.dpftrl.noise.engine import add_noise, columns_per_advance
 from opake.dpftrl.noise.engine_draws import BLOCK_ELEMENTS, BlockSampler
 from opake.dpftrl.noise.engine_layout import LeafSlot
 
@@ -91,5 +91,4 @@ class PieceStream:
                     x_part = x.narrow(0, begin, size)
                     self.inverse.advance(x_part, buffers.narrow(1, columns + begin, size),
                                          coefficients)                                     # x <- (C^{-1} z)_t
-                    torch.add(grad.narrow(0, begin, size), x_part, alpha=scale,
-                              out=out.narrow(0, begin, size))
+                    add_noise(grad.narrow(0, begin, size), x_part, out.narrow(0, begin, size), scale)

@@ -17,7 +17,7 @@ import torch
 
 from opake.dpftrl.noise.distributed.pieces import Piece, PieceStream
 from opake.dpftrl.noise.engine_layout import Layout, path_text
-from opake.dpftrl.noise.engine_state import check_state_for, NoiseState, _Storage
+from opake.dpftrl.noise.engine_state import check_state_for, NoiseState
 from opake.types import ClippedPytree
 
 __all__ = ["DistributedCheckpointError", "PieceStage"]
@@ -63,11 +63,7 @@ class PieceStage:
 
     def init(self) -> NoiseState:
         """A fresh state: zero (B, n_local) buffers, step 0."""
-        buffers = torch.zeros((self.inverse.num_buffers, self.local_size), dtype=self.dtype, device=self.device)
-        return NoiseState(
-            0, self.participation.n_steps, self.key, self.noise_multiplier, self._mechanism_fingerprint,
-            self._layout_fingerprint, self.inverse, _Storage(buffers, 0), self,
-        )
+        return NoiseState.fresh(self, self.local_size, self._mechanism_fingerprint, self._layout_fingerprint)
 
     def load_state_dict(self, state_dict: dict) -> NoiseState:
         """This rank's state saved by ``state.state_dict()``, checked against this stage."""
