@@ -24,7 +24,7 @@ from opake.dpftrl.noise.distributed import (
     sharded_mf_gaussian_noise,
 )
 from opake.dpftrl.noise import mf_gaussian_noise
-from opake.dpftrl.noise.engine_layout import Layout
+from opake.dpftrl.noise.engine.layout import Layout
 from opake.random import key
 from opake.types import clipped
 

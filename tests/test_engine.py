@@ -12,8 +12,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from opake.dpftrl.noise import identity_strategy, mf_gaussian_noise
-from opake.dpftrl.noise.engine_draws import BLOCK_ELEMENTS, BlockSampler, path_code
-from opake.dpftrl.noise.engine_state import NoiseState, RetiredStateError
+from opake.dpftrl.noise.engine.draws import BLOCK_ELEMENTS, BlockSampler, path_code
+from opake.dpftrl.noise.engine.state import NoiseState, RetiredStateError
 from opake.random import key
 from opake.types import NoisedPytree, clipped
 from test_engine_support import (
@@ -278,7 +278,7 @@ def test_step_past_n_steps_is_refused_with_the_horizon_in_the_message():
 
 
 def test_horizon_refusal_is_its_own_error_type():
-    from opake.dpftrl.noise.engine_state import NoiseHorizonError
+    from opake.dpftrl.noise.engine.state import NoiseHorizonError
 
     noise_fn, state = _engine(identity_strategy(), 1)
     _, state = noise_fn(clipped(zeros_like_tree(TEMPLATE), 1.0), state)
@@ -315,7 +315,7 @@ def test_the_engine_passes_the_participation_context_to_the_recipe():
 
 
 def _noise_with(monkeypatch, columns, template, name="three_buffers", n=3):
-    import opake.dpftrl.noise.engine as engine_module
+    import opake.dpftrl.noise.engine.correlated_noise as engine_module
 
     monkeypatch.setattr(engine_module, "columns_per_advance", lambda device: columns)
     noise_fn, state = _engine(hand_blt(name), n, template=template)

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from opake.dpftrl.noise import identity_strategy, mf_gaussian_noise
-from opake.dpftrl.noise.engine_draws import BLOCK_ELEMENTS, BlockSampler, path_code
-from opake.dpftrl.noise.engine_state import RetiredStateError
+from opake.dpftrl.noise.engine.draws import BLOCK_ELEMENTS, BlockSampler, path_code
+from opake.dpftrl.noise.engine.state import RetiredStateError
 from opake.random import key
 from opake.types import clipped
 from test_engine_support import dense_blt_matrix, dense_inverse_apply, flat, hand_blt, run_noise

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from opake.dpftrl.noise.engine_draws import BLOCK_ELEMENTS, BlockSampler, _cpu_state_template, path_code
+from opake.dpftrl.noise.engine.draws import BLOCK_ELEMENTS, BlockSampler, _cpu_state_template, path_code
 from opake.random import encode_parts, key
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from opake.dpftrl.noise import identity_strategy, mf_gaussian_noise
-from opake.dpftrl.noise.engine_state import CorruptedStateError, NoiseState
+from opake.dpftrl.noise.engine.state import CorruptedStateError, NoiseState
 from opake.random import key
 from opake.types import clipped
 from test_engine_support import flat, hand_blt

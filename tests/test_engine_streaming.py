@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from opake.dpftrl.noise import identity_strategy, mf_gaussian_noise
-from opake.dpftrl.noise.engine_streaming import (
+from opake.dpftrl.noise.engine.streaming import (
     BandedInverse,
     BufferedInverse,
     IdentityInverse,

@@ -39,10 +39,10 @@ from opake.dpftrl.noise.distributed.agreement import (
 from opake.dpftrl.noise.distributed.ownership import OWNERSHIP_MODES, map_fingerprint, ownership_map
 from opake.dpftrl.noise.distributed.pieces import Piece
 from opake.dpftrl.noise.distributed.stage import PieceStage
-from opake.dpftrl.noise.engine import validated_arguments
-from opake.dpftrl.noise.engine_layout import Layout, path_text
-from opake.dpftrl.noise.engine_state import NoiseState
-from opake.dpftrl.noise.engine_streaming import streaming_inverse
+from opake.dpftrl.noise.engine.correlated_noise import validated_arguments
+from opake.dpftrl.noise.engine.layout import Layout, path_text
+from opake.dpftrl.noise.engine.state import NoiseState
+from opake.dpftrl.noise.engine.streaming import streaming_inverse
 from opake.random import RngKey
 from opake.types import ClippedPytree, NoisedPytree
 

@@ -22,8 +22,8 @@ import hashlib
 
 import optree
 
-from opake.dpftrl.noise.engine_draws import BLOCK_ELEMENTS
-from opake.dpftrl.noise.engine_layout import Layout
+from opake.dpftrl.noise.engine.draws import BLOCK_ELEMENTS
+from opake.dpftrl.noise.engine.layout import Layout
 
 __all__ = ["OWNERSHIP_MODES", "even_shards", "map_fingerprint", "ownership_map"]
 

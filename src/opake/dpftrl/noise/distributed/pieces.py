@@ -3,8 +3,8 @@
 A *piece* is the element range [start, stop) of one parameter tensor (flattened), with the
 columns it owns in this rank's (B, n_local) buffers. ``PieceStream`` computes, for a list of
 pieces, exactly what the single-process engine (``engine.CorrelatedNoise``) computes for those
-elements: the same keyed block draws (``engine_draws.BlockSampler``: z depends only on key,
-step, parameter path and block index), the same streaming inverse (``engine_streaming``; every
+elements: the same keyed block draws (``engine.draws.BlockSampler``: z depends only on key,
+step, parameter path and block index), the same streaming inverse (``engine.streaming``; every
 op is elementwise over buffer columns) in the same compute dtype, and the same final
 ``engine.add_noise`` (gradient + scale * x). A piece that starts or stops inside a noise
 block draws the whole block into a one-block scratch and keeps its slice, so any cut of the
@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-from opake.dpftrl.noise.engine import add_noise, columns_per_advance
-from opake.dpftrl.noise.engine_draws import BLOCK_ELEMENTS, BlockSampler
-from opake.dpftrl.noise.engine_layout import LeafSlot
+from opake.dpftrl.noise.engine.correlated_noise import add_noise, columns_per_advance
+from opake.dpftrl.noise.engine.draws import BLOCK_ELEMENTS, BlockSampler
+from opake.dpftrl.noise.engine.layout import LeafSlot
 
 __all__ = ["Piece", "PieceStream"]
 

@@ -22,13 +22,13 @@ import torch
 import torch.distributed as dist
 
 from opake.dpftrl.noise.distributed.agreement import check_agreement, fingerprint_components
-from opake.dpftrl.noise.engine import validated_arguments
+from opake.dpftrl.noise.engine.correlated_noise import validated_arguments
 from opake.dpftrl.noise.distributed.ownership import map_fingerprint
 from opake.dpftrl.noise.distributed.pieces import Piece
 from opake.dpftrl.noise.distributed.stage import PieceStage
-from opake.dpftrl.noise.engine_layout import path_text
-from opake.dpftrl.noise.engine_state import NoiseState
-from opake.dpftrl.noise.engine_streaming import streaming_inverse
+from opake.dpftrl.noise.engine.layout import path_text
+from opake.dpftrl.noise.engine.state import NoiseState
+from opake.dpftrl.noise.engine.streaming import streaming_inverse
 from opake.random import RngKey
 from opake.types import ClippedPytree, NoisedPytree
 

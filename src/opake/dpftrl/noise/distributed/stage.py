@@ -1,6 +1,6 @@
 """What the two distributed noise stages share: configuration, local state, checks, resume.
 
-A rank's state is an ordinary ``engine_state.NoiseState`` whose buffers are (B, n_local), the
+A rank's state is an ordinary ``engine.state.NoiseState`` whose buffers are (B, n_local), the
 columns of the pieces this rank computes, and whose ``layout_fingerprint`` reads
 ``"distributed:<mode>:world_size=<W>:rank=<r>:<hash of the whole ownership map>"``. So
 ``state.state_dict()`` / ``torch.save`` work as for one process, each rank saving its part,
@@ -16,8 +16,8 @@ import math
 import torch
 
 from opake.dpftrl.noise.distributed.pieces import Piece, PieceStream
-from opake.dpftrl.noise.engine_layout import Layout, path_text
-from opake.dpftrl.noise.engine_state import check_state_for, NoiseState
+from opake.dpftrl.noise.engine.layout import Layout, path_text
+from opake.dpftrl.noise.engine.state import check_state_for, NoiseState
 from opake.types import ClippedPytree
 
 __all__ = ["DistributedCheckpointError", "PieceStage"]

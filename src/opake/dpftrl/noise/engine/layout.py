@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import optree
 import torch
 
-from opake.dpftrl.noise.engine_draws import BLOCK_ELEMENTS, path_code
+from opake.dpftrl.noise.engine.draws import BLOCK_ELEMENTS, path_code
 
 __all__ = ["Layout", "LeafSlot"]
 

@@ -6,27 +6,27 @@ resolves the strategy for the run's participation context and returns ``(noise_f
 
     noise_multiplier * clipped.l2_bound / clipped.normalization * x_t,    x = C^{-1} z,
 
-with z_t ~ N(0, I_d) i.i.d. over steps and elements (see ``engine_draws``), x computed by the
-strategy's streaming inverse (``engine_streaming``) from a (B, d) buffer state
-(``engine_state``).
+with z_t ~ N(0, I_d) i.i.d. over steps and elements (see ``engine.draws``), x computed by the
+strategy's streaming inverse (``engine.streaming``) from a (B, d) buffer state
+(``engine.state``).
 
 Memory and passes. All parameters share one flat (B, d) buffer tensor in the compute dtype
 (float32 by default, float64 on request), whatever the gradients' dtypes. A step allocates one
 d-vector: the output, in grad_template's dtype(s), whose zero-copy views are the leaves of the
 returned pytree (on CPU the last step's, once the caller no longer references it, else a new
-one hinted to huge pages, see ``engine_pages``). Gradients may come in
+one hinted to huge pages, see ``engine.pages``). Gradients may come in
 any floating dtype (``clipped_grad`` returns float32 sums for half-precision parameters, so
 that clipping holds to float32 rounding); ``gradient + scale * x`` is formed in the wider of
 the gradient's and the compute dtype and rounded once to the template's dtype, which is
 post-processing of the noised value. z is drawn straight into that output (or, when the
 template's dtype differs from the compute dtype, into a scratch of at most one noise block),
 turned into x in place, folded into the buffers with fused in-place torch ops (for a BLT two
-passes: a matrix-vector product and a broadcast multiply-add, see ``engine_streaming``;
+passes: a matrix-vector product and a broadcast multiply-add, see ``engine.streaming``;
 cache-blocked when single-threaded, see ``columns_per_advance``), and
 finally overwritten by ``gradient + scale * x``. Python loops run over leaves, noise blocks and
 cache blocks only, never over elements. The step plan (which stretch of the output and the
 buffers each leaf uses) depends only on the template and the compute dtype and is computed
-once (``engine_plan``).
+once (``engine.plan``).
 
 Purity. The returned state takes over the buffers (updated in place) and the state passed in
 is retired: using it again raises ``RetiredStateError`` instead of giving different noise;
@@ -53,12 +53,12 @@ import math
 
 import torch
 
-from opake.dpftrl.noise.engine_draws import BLOCK_ELEMENTS, BlockSampler
-from opake.dpftrl.noise.engine_layout import Layout, path_text
-from opake.dpftrl.noise.engine_pages import OutputVectors
-from opake.dpftrl.noise.engine_plan import plan_step
-from opake.dpftrl.noise.engine_state import check_state_for, NoiseState
-from opake.dpftrl.noise.engine_streaming import streaming_inverse
+from opake.dpftrl.noise.engine.draws import BLOCK_ELEMENTS, BlockSampler
+from opake.dpftrl.noise.engine.layout import Layout, path_text
+from opake.dpftrl.noise.engine.pages import OutputVectors
+from opake.dpftrl.noise.engine.plan import plan_step
+from opake.dpftrl.noise.engine.state import check_state_for, NoiseState
+from opake.dpftrl.noise.engine.streaming import streaming_inverse
 from opake._checks import positive_finite
 from opake.dpftrl.participation import Participation
 from opake.random import RngKey

@@ -29,14 +29,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from opake.dpftrl.noise.engine_streaming import inverse_from_description
+from opake.dpftrl.noise.engine.streaming import inverse_from_description
 from opake.random import RngKey
 
 __all__ = ["CorruptedStateError", "NoiseHorizonError", "NoiseState", "RetiredStateError"]
 
 STATE_FORMAT = "opake.dpftrl.noise.NoiseState"
 STATE_VERSION = 2
-# 2: BLT buffers hold the stored form R_i = theta_i^-(t - e_i) S_i (engine_streaming); version 1
+# 2: BLT buffers hold the stored form R_i = theta_i^-(t - e_i) S_i (engine.streaming); version 1
 # held S itself, so a version-1 checkpoint would continue with wrong noise and is refused.
 
 
@@ -197,7 +197,7 @@ class NoiseState:
 
         Like ``nn.Module.state_dict``, the ``"buffers"`` entry is the live tensor, which the
         next ``noise_fn`` call overwrites: save it right away, or clone it. It is in the
-        streaming inverse's stored form (for a BLT, scaled per epoch; see ``engine_streaming``),
+        streaming inverse's stored form (for a BLT, scaled per epoch; see ``engine.streaming``),
         meaningful together with ``"step"`` and ``"inverse"`` only.
         """
         self.require_current()
@@ -262,7 +262,7 @@ class NoiseState:
         """A state rebuilt from ``state_dict`` alone (checked against the engine when used).
 
         The buffers are cloned, so the new state never shares memory with the state that
-        produced ``state_dict``. Prefer ``engine_state.load_state_dict(...)``, which checks
+        produced ``state_dict``. Prefer ``engine.state.load_state_dict(...)``, which checks
         the checkpoint against the engine right away and reuses the engine state's buffers.
         """
         return cls._from_owned_state_dict({**state_dict, "buffers": _checked_fields(state_dict)["buffers"].clone()})

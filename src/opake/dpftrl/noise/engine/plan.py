@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from opake.dpftrl.noise.engine_draws import BLOCK_ELEMENTS
-from opake.dpftrl.noise.engine_layout import Layout
+from opake.dpftrl.noise.engine.draws import BLOCK_ELEMENTS
+from opake.dpftrl.noise.engine.layout import Layout
 
 __all__ = ["Segment", "StepPlan", "plan_step"]
 
