@@ -1,7 +1,8 @@
 """A complete DP-FTRL training loop: sampler -> per-example clipping -> BLT noise -> torch.optim.
 
-1. The sampler fixes the participation pattern (fixed batches served cyclically: every example
-   once per epoch, num_batches steps apart) and says what it guarantees.
+1. The sampler fixes the participation pattern (balls in bins: every example in one random bin,
+   bins served cyclically, so every example once per epoch, num_bins steps apart; batch sizes
+   vary around num_examples / num_bins) and says what it guarantees.
 2. The accountant and the noise engine get exactly that participation; calibrate picks the
    noise multiplier for (epsilon, delta).
 3. Each step: clip per-example gradients, add correlated noise, hand the noisy gradients to a
@@ -17,7 +18,7 @@ import opake.dpftrl.accounting as dpftrl_acc
 from _common import steps
 from opake.dpftrl.clipping import clipped_grad
 from opake.dpftrl.noise import blt_strategy, mf_gaussian_noise
-from opake.dpftrl.sampling import BMinSepSampler
+from opake.dpftrl.sampling import BallsInBinsSampler
 from opake.random import key
 
 root = key(7)
@@ -28,9 +29,9 @@ labels = (features[:, 0] + 0.5 * features[:, 1] > 0).long()
 model = torch.nn.Sequential(torch.nn.Linear(10, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
 
-batch_size, epochs = 50, 5
-sampler = BMinSepSampler(num_examples=2000, batch_size=batch_size, min_sep=40, key=root.fold_in("sampler"))
-participation = sampler.participation(n_steps=epochs * sampler.num_batches)
+epochs = 5
+sampler = BallsInBinsSampler(num_examples=2000, num_bins=40, key=root.fold_in("sampler"))  # ~50 a batch
+participation = sampler.participation(n_steps=epochs * sampler.num_bins)
 
 strategy = blt_strategy(max_buffers=10)
 calibration = acc.calibrate(
@@ -47,7 +48,7 @@ def loss_fn(params, example):
     return torch.nn.functional.cross_entropy(logits, y.unsqueeze(0))
 
 
-grad_fn, clip_state = clipped_grad(loss_fn, clipping_norm=1.0, normalize_by=batch_size)
+grad_fn, clip_state = clipped_grad(loss_fn, clipping_norm=1.0, normalize_by=sampler.expected_batch_size)
 params = dict(model.named_parameters())
 noise_fn, noise_state = mf_gaussian_noise(
     grad_template=params, strategy=strategy, n_steps=participation.n_steps,

@@ -122,3 +122,63 @@ def test_budget_is_frozen_and_checks_a_process():
         budget.epsilon = 3.0
     assert budget.is_met_by(acc.gaussian(2.0))
     assert not budget.is_met_by(acc.gaussian(1.9))
+
+
+# ---------------------------------------------------------------------------------------------
+# Estimates (is_guarantee not True) only with allow_estimates=True
+
+
+def _monte_carlo_factory(sigma):
+    from opake.dpftrl.accounting import balls_in_bins, mf_gaussian
+    from opake.dpftrl.noise import identity_strategy
+
+    return balls_in_bins(mf_gaussian(sigma, identity_strategy()), num_bins=4, n_steps=8,
+                         method="monte_carlo", num_samples=4000, seed=0)
+
+
+class _UndeclaredProcess:
+    """A hand-written process that does not say whether its numbers are proven."""
+
+    def __init__(self, sigma):
+        self.inner = acc.gaussian(sigma)
+
+    def epsilon_at(self, delta):
+        return self.inner.epsilon_at(delta)
+
+    def delta_at(self, epsilon):
+        return self.inner.delta_at(epsilon)
+
+
+def test_a_monte_carlo_estimate_is_refused_by_default():
+    with pytest.raises(acc.EstimateNotAllowedError,
+                       match=r"not a proven bound \(is_guarantee=False: Monte Carlo ESTIMATE.*allow_estimates=True"):
+        acc.calibrate(acc.epsilon_budget(2.0, 0.05), _monte_carlo_factory, 0.3, 30.0)
+
+
+def test_a_process_that_does_not_declare_is_guarantee_is_refused_by_default():
+    with pytest.raises(ValueError, match=r"is_guarantee=None.*an estimate is not a guarantee"):
+        acc.calibrate(acc.epsilon_budget(2.0, 1e-5), _UndeclaredProcess, 0.1, 10.0)
+
+
+def test_allow_estimates_calibrates_to_the_estimate_and_says_so():
+    budget = acc.epsilon_budget(2.0, 0.05)
+    result = acc.calibrate(budget, _monte_carlo_factory, 0.3, 30.0, rtol=1e-4, allow_estimates=True)
+    assert result.process.is_guarantee is False
+    # the definition, evaluated independently of the search
+    assert _monte_carlo_factory(result.param).epsilon_at(0.05) <= 2.0
+    assert _monte_carlo_factory(result.param_failing).epsilon_at(0.05) > 2.0
+    # the estimate is below the proven (unamplified) bound's parameter for the same budget
+    rigorous = acc.calibrate(budget, lambda s: _monte_carlo_factory(s).rigorous, 0.3, 30.0, rtol=1e-4)
+    assert result.param < rigorous.param
+
+
+def test_guarantees_pass_whatever_allow_estimates_says():
+    for allow in (False, True):
+        result = acc.calibrate(acc.epsilon_budget(2.0, 1e-5), acc.gaussian, 0.1, 10.0, allow_estimates=allow)
+        assert result.process.is_guarantee is True
+
+
+@pytest.mark.parametrize("value", [1, "yes", None])
+def test_allow_estimates_must_be_a_bool(value):
+    with pytest.raises(TypeError, match="allow_estimates must be True or False"):
+        acc.calibrate(acc.epsilon_budget(2.0, 1e-5), acc.gaussian, 0.1, 10.0, allow_estimates=value)

@@ -6,6 +6,7 @@ independent implementation), and dp_accounting's PLD accountant (pessimistic dis
 """
 
 import math
+import sys
 
 import dp_accounting
 import mpmath
@@ -143,3 +144,102 @@ def test_bad_noise_multiplier_is_refused(sigma):
 def test_non_numbers_are_type_errors(value):
     with pytest.raises(TypeError, match="delta must be a real number"):
         acc.gaussian(1.0).epsilon_at(value)
+
+
+# ---------------------------------------------------------------------------------------------
+# Extreme noise multipliers: the reference at 60 + 2 log10(1/sigma) digits
+
+TINY_FINITE_SIGMAS = [1e-4, 1e-8, 1e-30, 1e-100, 1e-150, 1e-154, 6e-155]  # root ~ 1/(2 sigma^2) <= 1.4e308
+TINY_OVERFLOW_SIGMAS = [5e-155, 1e-155, 1e-200, 1e-300, 5e-324]  # 1/(2 sigma^2) >= 2e308: beyond the floats
+
+
+def _normal_cdf_wide(x: mpmath.mpf) -> mpmath.mpf:
+    """Phi(x) through the upper incomplete gamma function (mpmath's ncdf overflows beyond 1e154):
+    Phi(x) = Gamma(1/2, x^2/2) / (2 sqrt(pi)) for x <= 0."""
+    tail = mpmath.gammainc(mpmath.mpf(1) / 2, x * x / 2) / (2 * mpmath.sqrt(mpmath.pi))
+    return tail if x <= 0 else 1 - tail
+
+
+def _digits_for(sigma) -> int:
+    """Enough digits for a = mu/2 - eps/mu (cancels mu/2 ~ 1/sigma) and for e^eps Phi(b),
+    whose exponents eps ~ b^2/2 ~ 1/(2 sigma^2) must cancel to an absolute error well below 1."""
+    return 60 + 2 * max(0, int(-math.log10(sigma)))
+
+
+def _reference_delta_wide(sigma, epsilon) -> mpmath.mpf:
+    """The Balle-Wang delta(eps), valid for mu up to the float range and beyond."""
+    with mpmath.workdps(_digits_for(sigma)):
+        mu = 1 / mpmath.mpf(sigma)
+        eps = mpmath.mpf(epsilon)
+        return _normal_cdf_wide(mu / 2 - eps / mu) - mpmath.exp(eps) * _normal_cdf_wide(-mu / 2 - eps / mu)
+
+
+def _reference_epsilon_bracket(sigma, delta) -> tuple[mpmath.mpf, mpmath.mpf]:
+    """(lo, hi) with delta(lo) > delta >= delta(hi) and hi - lo <= 2^-80 hi, by bisection.
+
+    For delta <= 1/2 the root lies within 40 mu of mu^2/2 (there a = mu/2 - eps/mu is +-40)."""
+    with mpmath.workdps(_digits_for(sigma)):
+        target = mpmath.mpf(delta)
+        mu = 1 / mpmath.mpf(sigma)
+        lo, hi = mu * mu / 2 - 40 * mu, mu * mu / 2 + 40 * mu
+        assert _reference_delta_wide(sigma, hi) <= target < _reference_delta_wide(sigma, lo)
+        for _ in range(200):
+            if hi - lo <= hi * mpmath.mpf(2) ** -80:
+                break
+            mid = (lo + hi) / 2
+            if _reference_delta_wide(sigma, mid) > target:
+                lo = mid
+            else:
+                hi = mid
+        return lo, hi
+
+
+@pytest.mark.parametrize("sigma", TINY_FINITE_SIGMAS)
+def test_tiny_noise_multiplier_gives_the_huge_epsilon_rounded_up(sigma):
+    for delta in [1e-12, 1e-5, 0.5]:
+        got = acc.gaussian(sigma).epsilon_at(delta)
+        below_root, above_root = _reference_epsilon_bracket(sigma, delta)
+        assert math.isfinite(got)
+        assert got > below_root  # never below the true epsilon
+        assert _reference_delta_wide(sigma, got) <= delta  # so got certifies delta
+        assert got <= above_root * (1 + 1e-14), (sigma, delta, got, float(above_root))
+
+
+@pytest.mark.parametrize("sigma", TINY_OVERFLOW_SIGMAS)
+def test_noise_multiplier_whose_epsilon_exceeds_every_float_gives_infinity(sigma):
+    # the reference says: even at the largest float epsilon, delta(eps) is far above any target
+    assert _reference_delta_wide(sigma, sys.float_info.max) > mpmath.mpf("0.99")
+    for delta in [1e-12, 1e-5, 0.5]:
+        assert acc.gaussian(sigma).epsilon_at(delta) == math.inf
+
+
+@pytest.mark.parametrize("sigma", TINY_FINITE_SIGMAS + TINY_OVERFLOW_SIGMAS)
+def test_delta_at_tiny_noise_multiplier_matches_the_wide_reference(sigma):
+    half_mu_squared = 0.5 / sigma / sigma
+    epsilons = [0.0, 1.0, 1e300, sys.float_info.max]
+    if math.isfinite(half_mu_squared):  # around the root, where a = mu/2 - eps/mu cancels
+        epsilons += [half_mu_squared * (1 - 1e-15), half_mu_squared, half_mu_squared * (1 + 1e-15)]
+    for epsilon in epsilons:
+        expected = float(_reference_delta_wide(sigma, epsilon))
+        got = acc.gaussian(sigma).delta_at(epsilon)
+        if expected < 1e-300:
+            assert got < 1e-290, (sigma, epsilon, got)
+        else:
+            assert got == pytest.approx(expected, rel=1e-9, abs=0), (sigma, epsilon)
+
+
+def test_calibrate_over_a_range_reaching_tiny_multipliers_does_not_fail():
+    result = acc.calibrate(acc.epsilon_budget(1.0, 1e-5), acc.gaussian, 1e-300, 100.0)
+    assert result.param == pytest.approx(reference_sigma_for(1.0, 1e-5), rel=1e-5)
+
+
+def reference_sigma_for(epsilon, delta) -> float:
+    """Smallest sigma with reference delta(eps) <= delta, by bisection in mpmath."""
+    lo, hi = mpmath.mpf("0.1"), mpmath.mpf(100)
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if reference_delta(mid, epsilon) > delta:
+            lo = mid
+        else:
+            hi = mid
+    return float(hi)

@@ -252,3 +252,26 @@ def test_streamed_noise_equals_dense_inverse_times_the_same_draws(bands, context
     matrix = lower_toeplitz(noise_fn.mechanism.toeplitz_coefficients())
     expected = sigma * l2_bound / normalization * (inverse_matrix(matrix) @ draws)
     np.testing.assert_allclose(noise, expected, rtol=tolerance, atol=tolerance * np.abs(expected).max())
+
+
+# ---------------------------------------------------------------------------------------------
+# Long resolutions announce themselves (the threshold is lowered here to keep the test fast)
+
+
+def test_a_long_resolution_warns_with_its_expected_cost(monkeypatch):
+    import warnings
+
+    from opake.dpftrl.noise import band_mf
+
+    monkeypatch.setattr(band_mf, "SLOW_RESOLUTION_STEPS", 250)
+    strategy = band_mf.band_mf_strategy(bands=3)
+    with pytest.warns(band_mf.SlowResolutionWarning,
+                      match=r"band_mf_strategy\(bands=3\) for n_steps=257 .* evaluation .*expect about \d+ to \d+ s") as record:
+        strategy.resolve(257, 3)
+    assert record[0].filename == __file__  # points at the caller's line
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        strategy.resolve(257, 3)  # cached: no second warning
+        strategy.resolve(249, 3)  # below the threshold
+        band_mf.band_mf_strategy(bands=1).resolve(300)  # bands = 1 has nothing to optimize
+

@@ -103,7 +103,7 @@ def test_resume_from_a_saved_state_is_bit_identical(device):
     torch.save(state.state_dict(), saved)
     saved.seek(0)
     fresh_fn, fresh_state = _engine(device, hand_blt("three_buffers"), n)
-    state = fresh_state.load_state_dict(torch.load(saved, weights_only=True))
+    state = fresh_state.load_state_dict(torch.load(saved, weights_only=True), draws="replay")
     assert state.buffers.device.type == device
     for step in range(stop, n):
         noisy, state = fresh_fn(clipped(_grads(device, step), 0.5, 2.0), state)
@@ -115,7 +115,7 @@ def test_resume_from_a_saved_state_is_bit_identical(device):
 def test_purity_a_copied_state_gives_the_same_step_and_a_retired_one_is_refused(device):
     noise_fn, state = _engine(device, hand_blt("three_buffers"), 3)
     grads = clipped(_grads(device, 0), 1.0)
-    spare = state.copy()
+    spare = state.copy(draws="replay")
     first, after = noise_fn(grads, state)
     again, after_again = noise_fn(grads, spare)
     assert torch.equal(flat(first.pytree), flat(again.pytree)) and torch.equal(after.buffers, after_again.buffers)

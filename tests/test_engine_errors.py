@@ -135,7 +135,7 @@ def _bad_calls():
 def test_bad_gradients_raise_and_leave_the_state_unchanged(argument, error, message):
     noise_fn, state = _engine()
     _, state = noise_fn(_good(), state)
-    before = state.copy()
+    before = state.copy(draws="replay")
     with pytest.raises(error, match=message):
         noise_fn(argument, state)
     assert state.is_current and state == before
@@ -163,3 +163,39 @@ def test_second_argument_must_be_a_noise_state():
     with pytest.raises(TypeError, match="second argument must be the NoiseState"):
         noise_fn(_good(), state.state_dict())
 
+
+
+# -- gradients the step cannot noise element by element ----------------------------------------
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta state")
+@pytest.mark.parametrize("leaf, layout", [("w", "coo"), ("w", "csr"), ("b", "coo")])
+def test_sparse_gradients_are_refused_before_touching_the_state(leaf, layout):
+    # A sparse leaf used to pass every check and fail inside the step, leaving the buffers
+    # corrupted (CorruptedStateError on the next call).
+    noise_fn, state = _engine()
+    _, state = noise_fn(_good(), state)
+    before = state.copy(draws="replay")
+    gradients = {"w": torch.ones(2, 3), "b": torch.ones(3)}
+    gradients[leaf] = gradients[leaf].to_sparse() if layout == "coo" else gradients[leaf].to_sparse_csr()
+    with pytest.raises(TypeError, match=rf"'{leaf}' has layout torch\.sparse_{layout}.*needs a dense tensor.*"
+                                        r"\.to_dense\(\)"):
+        noise_fn(clipped(gradients, 1.0), state)
+    assert state.is_current and state == before
+    after_error, _ = noise_fn(_good(), state)
+    reference, _ = noise_fn(_good(), before)
+    assert torch.equal(flat(after_error.pytree), flat(reference.pytree))
+
+
+def test_unsupported_floating_dtypes_are_refused_before_touching_the_state():
+    # float8 passes is_floating_point() but torch's kernels fail on it inside the step.
+    noise_fn, state = _engine()
+    grads = clipped({"w": torch.ones(2, 3).to(torch.float8_e4m3fn), "b": torch.ones(3)}, 1.0)
+    with pytest.raises(TypeError, match=r"'w' has dtype torch\.float8_e4m3fn; .* float16, bfloat16, float32 and "
+                                        r"float64 gradients"):
+        noise_fn(grads, state)
+    _, state = noise_fn(_good(), state)
+    assert state.step == 1
+    with pytest.raises(TypeError, match=r"grad_template leaf 'w' has dtype torch\.float8_e4m3fn"):
+        mf_gaussian_noise({"w": torch.zeros(3).to(torch.float8_e4m3fn)}, identity_strategy(), n_steps=2,
+                          noise_multiplier=1.0, key=key(0))

@@ -1,5 +1,7 @@
 """Samplers: the stated participation holds for every generated schedule, balls-in-bins and
-cyclic structure, Poisson inclusion rate, determinism, agreement with the accountant."""
+cyclic structure, Poisson inclusion rate, add/remove neighbours (one example more moves no other
+example, exactly and in distribution, with the old fixed-size sampler as the negative control),
+determinism, agreement with the accountant."""
 
 import dataclasses
 import math
@@ -12,19 +14,22 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from scipy import stats
 
 from opake.dpftrl.accounting import balls_in_bins, mf_gaussian
 from opake.dpftrl.noise import identity_strategy
 from opake.dpftrl.participation import Participation
-from opake.dpftrl.sampling import BallsInBinsSampler, BMinSepSampler, CyclicPoissonSampler
+from opake.dpftrl.sampling import BallsInBinsSampler, CyclicPoissonSampler
 from opake.dpftrl.sampling import _uniform_below
+from end_to_end_support import LegacyFixedSizeSampler
 from opake.random import key
 
 
 def _appearances(sampler, n_steps):
     """For every example, the steps whose batch holds it (read from the batches only)."""
     steps = defaultdict(list)
-    for step, batch in enumerate(sampler.steps(n_steps)):
+    for step in range(n_steps):
+        batch = sampler.batch(step)
         assert batch.dtype == torch.int64 and batch.dim() == 1
         values = batch.tolist()
         assert values == sorted(set(values)), "indices must be sorted and distinct"
@@ -62,22 +67,6 @@ def test_balls_in_bins_schedule_respects_its_participation(num_examples, seed, d
 
 
 @given(num_examples=st.integers(1, 40), seed=st.integers(0, 2**32), data=st.data())
-def test_b_min_sep_schedule_respects_its_participation(num_examples, seed, data):
-    batch_size = data.draw(st.integers(1, num_examples))
-    min_sep = data.draw(st.integers(1, num_examples // batch_size))
-    n_steps = data.draw(st.integers(min_sep, 5 * min_sep + 6))
-    sampler = BMinSepSampler(num_examples, batch_size, min_sep, key(seed))
-    participation = sampler.participation(n_steps)
-    assert participation == Participation(n_steps, min_sep, math.ceil(n_steps / (num_examples // batch_size)))
-    appearances = _appearances(sampler, n_steps)
-    _assert_respects(appearances, participation)
-    assert all(len(sampler.batch(step)) == batch_size for step in range(n_steps))
-    used = {index for batch in sampler.steps(sampler.num_batches) for index in batch.tolist()}
-    assert len(used) == sampler.num_batches * batch_size == num_examples - sampler.unused_examples
-    assert sampler.unused_examples == num_examples % batch_size
-
-
-@given(num_examples=st.integers(1, 40), seed=st.integers(0, 2**32), data=st.data())
 def test_cyclic_poisson_schedule_respects_its_participation(num_examples, seed, data):
     num_groups = data.draw(st.integers(1, num_examples))
     sample_rate = data.draw(st.sampled_from([0.05, 0.5, 0.9, 1.0]))
@@ -88,7 +77,6 @@ def test_cyclic_poisson_schedule_respects_its_participation(num_examples, seed, 
     _assert_respects(_appearances(sampler, n_steps), participation)
     groups = [sampler.group(step).tolist() for step in range(num_groups)]
     assert sorted(index for group in groups for index in group) == list(range(num_examples))
-    assert max(map(len, groups)) - min(map(len, groups)) <= 1
     for step in range(n_steps):
         assert set(sampler.batch(step).tolist()) <= set(groups[step % num_groups])
     if sample_rate == 1.0:
@@ -125,11 +113,12 @@ def test_balls_in_bins_assignment_is_uniform():
 
 
 def test_balls_in_bins_follows_the_documented_derivation():
-    # Bins are little-endian 64-bit words of key.derive_bytes(domain, (name, N, b, chunk)) mod b;
+    # Bins are little-endian 64-bit words of key.derive_bytes(domain, (name, b, chunk)) mod b;
     # with b a power of two no word is rejected, so this reconstructs the assignment directly.
+    # The number of examples takes no part in the derivation (example i's bin depends on i only).
     num_examples, num_bins, seed = 50, 8, 5
     words = np.frombuffer(
-        key(seed).derive_bytes("opake.dpftrl.sampling", ("balls_in_bins", num_examples, num_bins, 0), 8 * num_examples),
+        key(seed).derive_bytes("opake.dpftrl.sampling", ("balls_in_bins", num_bins, 0), 8 * num_examples),
         dtype="<u8",
     )
     bins = words % num_bins
@@ -149,19 +138,74 @@ def test_uniform_below_rejection_path():
     assert abs((values < 2**62).mean() - 0.5) < eps
 
 
-def test_b_min_sep_actual_separation_is_the_number_of_batches():
-    sampler = BMinSepSampler(103, 10, 4, key(2))
-    assert sampler.num_batches == 10 and sampler.unused_examples == 3
-    appearances = _appearances(sampler, 35)
-    assert all(np.all(np.diff(steps) == 10) for steps in appearances.values())
-    assert sampler.participation(35) == Participation(35, 4, 4)
+# --- add/remove neighbours: one example more moves no other example ------------------------------
+
+
+def test_the_fixed_size_sampler_is_gone_with_the_reason():
+    with pytest.raises(ImportError, match=r"BMinSepSampler was removed.*twice the sensitivity.*BallsInBinsSampler"):
+        from opake.dpftrl.sampling import BMinSepSampler  # noqa: F401
+
+
+@pytest.mark.parametrize("make", [
+    lambda n, k: BallsInBinsSampler(n, 5, k),
+    lambda n, k: CyclicPoissonSampler(n, 5, 0.4, k),
+])
+@pytest.mark.parametrize("num_examples", [5, 64, 1000])
+def test_an_appended_example_leaves_every_other_examples_steps_unchanged(make, num_examples):
+    """Coupling: with the same key, the run on N + 1 examples serves examples 0..N-1 at exactly
+    the steps the run on N examples serves them; the new example only adds its own steps."""
+    n_steps = 23
+    before = _appearances(make(num_examples, key(9)), n_steps)
+    after = _appearances(make(num_examples + 1, key(9)), n_steps)
+    assert {index: steps for index, steps in after.items() if index < num_examples} == dict(before)
+
+
+def _pattern_counts(make, num_examples: int, n_steps: int, keys: int, seed: str):
+    """How often each (steps of example 0, is example 1 in the same batches) pattern occurs over
+    ``keys`` independent keys: the joint participation of two fixed examples."""
+    counts = defaultdict(int)
+    root = key(2024).fold_in(seed)
+    for index in range(keys):
+        appearances = _appearances(make(num_examples, root.fold_in(index)), n_steps)
+        counts[(tuple(appearances.get(0, ())), appearances.get(0, ()) == appearances.get(1, ()))] += 1
+    return counts
+
+
+def _homogeneity_p_value(make, num_examples: int, n_steps: int, keys: int = 3000) -> float:
+    """Chi-square test that examples 0 and 1 have the same joint participation distribution in
+    runs on N and on N + 1 examples (independent keys for the two)."""
+    small = _pattern_counts(make, num_examples, n_steps, keys, "N")
+    large = _pattern_counts(make, num_examples + 1, n_steps, keys, "N+1")
+    patterns = sorted(set(small) | set(large))
+    table = np.array([[small[p] for p in patterns], [large[p] for p in patterns]])
+    if table.shape[1] == 1:
+        return 1.0
+    return stats.chi2_contingency(table).pvalue
+
+
+@pytest.mark.parametrize("make", [
+    lambda n, k: BallsInBinsSampler(n, 2, k),
+    lambda n, k: CyclicPoissonSampler(n, 2, 0.5, k),
+], ids=["balls_in_bins", "cyclic_poisson"])
+def test_one_more_example_leaves_the_others_participation_distribution_unchanged(make):
+    """Add/remove adjacency needs every other example's participation to have the same law in the
+    neighbouring run. False failure: 1e-6 (the chi-square test's level)."""
+    assert _homogeneity_p_value(make, num_examples=4, n_steps=4) > 1e-6
+
+
+def test_negative_control_the_fixed_size_sampler_moves_other_examples():
+    """Batches of exactly 2 from 4 examples: with a fifth, one random example is never used, so
+    example 0 is left out with probability 1/5 instead of 0 (about 600 of 3000 keys); the test
+    must see it (p-value far below 1e-6)."""
+    p_value = _homogeneity_p_value(
+        lambda n, k: LegacyFixedSizeSampler(n, batch_size=2, min_sep=2, key=k), num_examples=4, n_steps=4)
+    assert p_value < 1e-12
 
 
 # --- determinism --------------------------------------------------------------------------------
 
 _SAMPLERS = [
     lambda k: BallsInBinsSampler(30, 4, k),
-    lambda k: BMinSepSampler(30, 4, 3, k),
     lambda k: CyclicPoissonSampler(30, 3, 0.5, k),
 ]
 
@@ -180,9 +224,8 @@ def test_same_key_same_batches_different_key_different_batches(make):
 def test_batches_are_identical_in_another_process():
     script = (
         "from opake.random import key\n"
-        "from opake.dpftrl.sampling import BallsInBinsSampler, BMinSepSampler, CyclicPoissonSampler\n"
-        "samplers = [BallsInBinsSampler(30, 4, key(3)), BMinSepSampler(30, 4, 3, key(3)),"
-        " CyclicPoissonSampler(30, 3, 0.5, key(3))]\n"
+        "from opake.dpftrl.sampling import BallsInBinsSampler, CyclicPoissonSampler\n"
+        "samplers = [BallsInBinsSampler(30, 4, key(3)), CyclicPoissonSampler(30, 3, 0.5, key(3))]\n"
         "print([[s.batch(t).tolist() for t in range(6)] for s in samplers])\n"
     )
     output = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
@@ -214,7 +257,7 @@ def test_participation_matches_balls_in_bins_accounting(num_bins, n_steps):
 
 
 @pytest.mark.parametrize(
-    "sampler", [BMinSepSampler(40, 5, 3, key(0)), CyclicPoissonSampler(40, 3, 0.2, key(0))]
+    "sampler", [BallsInBinsSampler(40, 3, key(0)), CyclicPoissonSampler(40, 3, 0.2, key(0))]
 )
 def test_participation_is_accepted_by_mf_gaussian(sampler):
     participation = sampler.participation(20)
@@ -230,16 +273,12 @@ def test_participation_is_accepted_by_mf_gaussian(sampler):
     "build, error, pattern",
     [
         (lambda: BallsInBinsSampler(10, 2, 42), TypeError, r"key must be an opake.random.RngKey.*opake.random.key\(seed\)"),
-        (lambda: BMinSepSampler(10, 2, 2, None), TypeError, r"opake.random.key\(seed\)"),
         (lambda: CyclicPoissonSampler(10, 2, 0.5, np.random.default_rng(0)), TypeError, "RngKey"),
         (lambda: BallsInBinsSampler(0, 1, key(0)), ValueError, "num_examples must be >= 1"),
         (lambda: BallsInBinsSampler(10, 0, key(0)), ValueError, "num_bins must be >= 1"),
         (lambda: BallsInBinsSampler(10, 11, key(0)), ValueError, r"num_bins \(11\) must be <= num_examples \(10\)"),
         (lambda: BallsInBinsSampler(10.0, 2, key(0)), TypeError, "num_examples must be an integer"),
         (lambda: BallsInBinsSampler(10, True, key(0)), TypeError, "num_bins must be an integer"),
-        (lambda: BMinSepSampler(10, 11, 1, key(0)), ValueError, r"batch_size \(11\) must be <= num_examples"),
-        (lambda: BMinSepSampler(10, 3, 4, key(0)), ValueError, r"min_sep \(4\) needs at least 4 disjoint batches.*batch_size <= 2 or min_sep <= 3"),
-        (lambda: BMinSepSampler(10, 3, 0, key(0)), ValueError, "min_sep must be >= 1"),
         (lambda: CyclicPoissonSampler(10, 11, 0.5, key(0)), ValueError, r"num_groups \(11\) must be <= num_examples"),
         (lambda: CyclicPoissonSampler(10, 2, 0.0, key(0)), ValueError, r"sample_rate must be in \(0, 1\]"),
         (lambda: CyclicPoissonSampler(10, 2, 1.5, key(0)), ValueError, r"sample_rate must be in \(0, 1\]"),

@@ -3,11 +3,14 @@
 Data: scikit-learn's bundled handwritten digits (1797 8x8 images, 10 classes; nothing is
 downloaded), split once into 1200 training, 300 validation and 297 test images by a fixed
 permutation. Model: a 64-32-10 tanh network. Training: every step clips per-example gradients
-(norm 1), sums them, divides by the batch size, adds noise, and takes an SGD step.
+(norm 1), sums them, divides by the expected batch size, adds noise, and takes an SGD step.
 
-Both private runs use the same sampler (fixed batches of 40 served cyclically, so every image
-appears once per epoch, 30 steps apart, 20 epochs: min_sep = 30, max_participations = 20), the
-same privacy budget (epsilon, delta = 1e-5, no amplification) and the same training noise key.
+Both private runs use the same sampler (balls in bins: every image in one of 30 random bins,
+bins served cyclically, so every image appears once per epoch, 30 steps apart, 20 epochs:
+min_sep = 30, max_participations = 20; batches hold about 40 images, their size varies), the
+same privacy budget (epsilon, delta = 1e-5, add/remove adjacency, no amplification) and the
+same training noise key. The number of bins is derived from the training set's size and the
+batch size once, before training (the size is treated as public, as in Opacus).
 Each method's learning rate is picked from one grid by validation accuracy; the test accuracy
 of that choice is reported. The settings were fixed once and are not tuned on seeds.
 """
@@ -23,7 +26,7 @@ from opake.accounting import calibrate, epsilon_budget
 from opake.dpftrl.accounting import mf_gaussian
 from opake.dpftrl.clipping import clipped_grad
 from opake.dpftrl.noise import blt_strategy, identity_strategy, mf_gaussian_noise
-from opake.dpftrl.sampling import BMinSepSampler
+from opake.dpftrl.sampling import BallsInBinsSampler
 from opake.random import key
 
 SEED = 0  # the demo's one fixed seed: data split, initialization, batches, noise
@@ -100,7 +103,7 @@ def _train_private(strategy, settings, train, sampler, participation, learning_r
     )
     params = _init(settings.hidden)
     grad_fn, clip_state = clipped_grad(_example_loss, clipping_norm=settings.clipping_norm,
-                                       normalize_by=settings.batch_size)
+                                       normalize_by=sampler.expected_batch_size)
     noise_fn, noise_state = mf_gaussian_noise(
         grad_template=params, strategy=strategy, n_steps=participation.n_steps,
         min_sep=participation.min_sep, max_participations=participation.max_participations,
@@ -122,6 +125,9 @@ def _train_plain(settings, train, sampler, n_steps, learning_rate, progress):
     x, y = train
     for step in range(n_steps):
         batch = sampler.batch(step)
+        if batch.numel() == 0:  # an empty bin: nothing to learn from (the private runs add noise)
+            progress.update(1)
+            continue
         loss = torch.nn.functional.cross_entropy(_forward(params, x[batch]), y[batch])
         grads = torch.autograd.grad(loss, list(params.values()))
         with torch.no_grad():
@@ -139,7 +145,7 @@ def run_demo(settings: DemoSettings = DemoSettings(), progress_bar: bool = True)
         raise RuntimeError("opake demo needs tqdm (pip install 'opake[demo]')") from None
     train, valid, test = _data()
     batches_per_epoch = train[0].shape[0] // settings.batch_size
-    sampler = BMinSepSampler(train[0].shape[0], settings.batch_size, batches_per_epoch, key(SEED).fold_in("batches"))
+    sampler = BallsInBinsSampler(train[0].shape[0], batches_per_epoch, key(SEED).fold_in("batches"))
     n_steps = settings.epochs * batches_per_epoch
     participation = sampler.participation(n_steps)
     methods = (("BLT", blt_strategy(max_buffers=10)), ("DP-SGD", identity_strategy()), ("non-private", None))
@@ -172,9 +178,9 @@ def main(settings: DemoSettings = DemoSettings()) -> int:
     torch.set_num_threads(1)
     participation, results = run_demo(settings)
     print(f"\nDigits (scikit-learn), {participation.n_steps} steps = {settings.epochs} epochs of "
-          f"batch {settings.batch_size}; each image at most {participation.max_participations} times, "
+          f"about {settings.batch_size} images (balls in bins); each image at most {participation.max_participations} times, "
           f"{participation.min_sep} steps apart; budget (epsilon={settings.epsilon:g}, "
-          f"delta={settings.delta:g}), no amplification")
+          f"delta={settings.delta:g}), add/remove adjacency, no amplification")
     print(f"  {'method':<12} {'noise mult.':>11} {'epsilon':>8} {'delta':>7} {'lr':>6} {'val acc':>8} {'test acc':>9}")
     for r in results:
         sigma = "-" if r.noise_multiplier is None else f"{r.noise_multiplier:.3f}"

@@ -5,7 +5,7 @@ Mechanism-specific processes (matrix-factorization Gaussian, amplifiers) live in
 """
 
 from opake.accounting.budget import EpsilonBudget, epsilon_budget
-from opake.accounting.calibrate import CalibrationRangeError, CalibrationResult, calibrate
+from opake.accounting.calibrate import CalibrationRangeError, CalibrationResult, EstimateNotAllowedError, calibrate
 from opake.accounting.gaussian import Gaussian, gaussian
 from opake.accounting.process import PrivacyProcess
 
@@ -13,6 +13,7 @@ __all__ = [
     "CalibrationRangeError",
     "CalibrationResult",
     "EpsilonBudget",
+    "EstimateNotAllowedError",
     "Gaussian",
     "PrivacyProcess",
     "calibrate",

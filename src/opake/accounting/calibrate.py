@@ -27,6 +27,10 @@ class CalibrationRangeError(ValueError):
     """The budget is not crossed inside [param_min, param_max]; the message says which end to move."""
 
 
+class EstimateNotAllowedError(ValueError):
+    """calibrate was given an estimate (``is_guarantee`` not True) without ``allow_estimates=True``."""
+
+
 @dataclass(frozen=True)
 class CalibrationResult:
     """The calibrated parameter and the guarantee it achieves.
@@ -60,6 +64,7 @@ def calibrate(
     param_max: float,
     *,
     rtol: float = 1e-6,
+    allow_estimates: bool = False,
 ) -> CalibrationResult:
     """Smallest parameter in [param_min, param_max] whose process meets ``budget``.
 
@@ -70,6 +75,12 @@ def calibrate(
 
     Raises CalibrationRangeError (a ValueError) when param_max does not meet the budget
     (raise param_max or relax the budget) or when param_min already does (lower param_min).
+
+    Only proven bounds are calibrated to by default: a process whose ``is_guarantee`` is not
+    True (a Monte Carlo estimate such as ``balls_in_bins(..., method="monte_carlo")``) raises
+    EstimateNotAllowedError (a ValueError), since a parameter that meets an estimated budget
+    is not proven to meet the budget. ``allow_estimates=True`` calibrates to the estimate
+    anyway; the result's ``process.is_guarantee`` then says it is one.
     """
     if not isinstance(budget, EpsilonBudget):
         raise TypeError(
@@ -88,6 +99,8 @@ def calibrate(
     if isinstance(rtol, bool) or not isinstance(rtol, numbers.Real) or not (1e-12 <= rtol <= 0.5):
         raise ValueError(f"rtol must be a number in [1e-12, 0.5], got {rtol!r}")
     rtol = float(rtol)
+    if not isinstance(allow_estimates, bool):
+        raise TypeError(f"allow_estimates must be True or False, got {allow_estimates!r}")
 
     target = budget.epsilon
     evaluations = 0
@@ -100,6 +113,15 @@ def calibrate(
             raise TypeError(
                 f"process_factory({param!r}) returned {type(process).__name__}, which has no "
                 "epsilon_at(delta); return a privacy process such as mf_gaussian(...)"
+            )
+        if not allow_estimates and getattr(process, "is_guarantee", None) is not True:
+            described = getattr(process, "description", type(process).__name__)
+            raise EstimateNotAllowedError(
+                f"process_factory({param!r}) returned a process that is not a proven bound "
+                f"(is_guarantee={getattr(process, 'is_guarantee', None)!r}: {described}); an estimate is "
+                "not a guarantee, so a parameter calibrated to it is not proven to meet the budget. "
+                "Calibrate to a rigorous process (e.g. balls_in_bins(..., method='rigorous' or 'rdp')), "
+                "or pass allow_estimates=True to accept an estimated budget knowingly"
             )
         epsilon = float(process.epsilon_at(budget.delta))
         if math.isnan(epsilon):

@@ -53,6 +53,15 @@ class Participation:
         return cap if self.max_participations is None else min(self.max_participations, cap)
 
     @property
+    def canonical(self) -> "Participation":
+        """This context with ``max_participations`` written one way: None when it does not bind
+        (k >= ceil(n_steps / min_sep)), else k. ``max_participations=None`` and an explicit
+        k >= ceil(n / b) describe the same runs; equal canonical values have the same
+        sensitivity and resolve to the same mechanism, with the same fingerprint."""
+        k = self.effective_participations
+        return Participation(self.n_steps, self.min_sep, None if k == self.max_possible_participations else k)
+
+    @property
     def is_single(self) -> bool:
         return self.effective_participations == 1
 

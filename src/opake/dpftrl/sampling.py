@@ -9,6 +9,7 @@ accountant::
 
     sampler = BallsInBinsSampler(num_examples=len(data), num_bins=100, key=opake.random.key(1))
     context = sampler.participation(n_steps)   # give the same values to mf_gaussian_noise
+    grad_fn, clip_state = clipped_grad(loss_fn, clipping_norm=1.0, normalize_by=sampler.expected_batch_size)
     for step, indices in enumerate(sampler.steps(n_steps)):
         grads, clip_state = grad_fn(params, data[indices], state=clip_state)
 
@@ -16,10 +17,25 @@ accountant::
 sampler                  batch of step t    min_sep                     max_participations
 =======================  =================  ==========================  =====================
 BallsInBinsSampler       bin t mod b        num_bins                    ceil(n / num_bins)
-BMinSepSampler           group t mod G      min_sep (actual gap G)      ceil(n / G)
 CyclicPoissonSampler     Poisson(q) subset  num_groups                  ceil(n / num_groups)
                          of group t mod b
 =======================  =================  ==========================  =====================
+
+Adjacency: add/remove of one example (SECURITY.md). Every example's bin or group is drawn
+independently of every other example's, as a function of the key and the example's own index
+only, and the sampler's structure (``num_bins``, ``num_groups``, ``sample_rate``) is given by
+the caller, never derived from the number of examples. So adding or removing one example leaves
+the distribution of every other example's participation unchanged (and appending one at the
+end leaves every other example's bins, groups and Poisson draws exactly as they were). The
+price is that batch sizes vary (a bin holds Binomial(num_examples, 1 / num_bins) examples):
+normalize the clipped sum by a constant, ``expected_batch_size``, never by the realized size.
+A sampler with batches of exactly ``batch_size`` is not offered: cutting a random order into
+fixed-size batches makes one added example push another one out or move others between
+batches, which is "x in, y out", twice the sensitivity the add/remove accountant prices
+(opake's earlier ``BMinSepSampler`` did that; ``tests/test_end_to_end_privacy.py`` keeps it
+as the negative control that the end-to-end audit must reject). If you derive ``num_bins`` from
+your dataset's size (``len(data) // batch_size``, as Opacus derives its sampling rate), the
+size is treated as public: the guarantee is for the plan you fixed, as for every DP library.
 
 Randomness. Every draw is a function of the sampler's :class:`~opake.random.RngKey` (a
 required argument; no sampler picks a seed) through ``key.derive_bytes``: SHAKE-256 output read
@@ -28,8 +44,7 @@ machine and with every numpy/torch version, which matters for a run resumed from
 a bin assignment that changed on resume would break the separation the accounting relies on.
 Uniform integers use rejection sampling (exactly uniform); a Bernoulli(q) draw includes an
 example when its word is below ``floor(q * 2**64)``, so the inclusion probability is ``q``
-exactly for ``q >= 2**-12`` and otherwise below ``q`` by less than ``2**-64`` (never above);
-random orders sort 64-bit words (uniform up to ties, probability below ``N**2 / 2**65``).
+exactly for ``q >= 2**-12`` and otherwise below ``q`` by less than ``2**-64`` (never above).
 """
 
 from __future__ import annotations
@@ -44,10 +59,26 @@ import torch
 from opake.dpftrl.participation import Participation
 from opake.random import RngKey
 
-__all__ = ["BMinSepSampler", "BallsInBinsSampler", "CyclicPoissonSampler"]
+__all__ = ["BallsInBinsSampler", "CyclicPoissonSampler"]
 
 _DOMAIN = "opake.dpftrl.sampling"
 _WORDS_PER_CHUNK = 1 << 16  # 512 KiB of hash output per derivation
+_REMOVED = {
+    "BMinSepSampler": (
+        "BMinSepSampler was removed: it cut a random order into batches of exactly batch_size, so "
+        "adding one example pushed another out of the run or moved examples between batches, twice "
+        "the sensitivity the add/remove accountant prices (its printed epsilon was wrong). Use "
+        "BallsInBinsSampler(num_examples, num_bins=B, key=...) with B >= the min_sep you want: "
+        "every example is in one random bin, bins are served cyclically (min_sep = num_bins), batch "
+        "sizes vary around num_examples / B; normalize by sampler.expected_batch_size"
+    ),
+}
+
+
+def __getattr__(name: str):
+    if name in _REMOVED:
+        raise ImportError(_REMOVED[name])
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -79,11 +110,17 @@ def _check_at_most(name: str, value: int, bound_name: str, bound: int, advice: s
 
 
 # ---------------------------------------------------------------------------------------------
-# Key-derived draws (pure functions of the key and the parts named)
+# Key-derived draws (pure functions of the key and the parts named; never of a count)
 
 
 def _random_words(key: RngKey, parts: tuple, count: int) -> np.ndarray:
-    """``count`` uint64 words determined by ``(key, parts)``; chunk c is derived from (*parts, c)."""
+    """Words ``0 .. count - 1`` of the stream determined by ``(key, parts)`` (uint64).
+
+    Word i depends on ``(key, parts, i)`` only: chunk c is SHAKE-256 output derived from
+    ``(*parts, c)``, and an XOF's shorter output is a prefix of its longer one, so asking for
+    more words never changes the first ones. This is what makes an appended example leave every
+    other example's draws unchanged.
+    """
     derive = key.deriver(_DOMAIN)
     chunks = [
         np.frombuffer(derive((*parts, index), 8 * min(_WORDS_PER_CHUNK, count - start)), dtype="<u8")
@@ -98,26 +135,23 @@ def _uniform_below(key: RngKey, parts: tuple, count: int, bound: int) -> np.ndar
     """``count`` independent integers, each exactly uniform on ``0 .. bound - 1`` (int64).
 
     Rejection sampling: a word is accepted when it is below the largest multiple of ``bound``
-    that fits in 64 bits, and then reduced modulo ``bound``; rejected positions are redrawn from
-    fresh words (derived from ``(*parts, "redraw", attempt)``) until all are accepted.
+    that fits in 64 bits, and then reduced modulo ``bound``. Integer i is redrawn from words
+    derived from ``(*parts, "redraw", i, attempt)`` until accepted, so it too depends on
+    ``(key, parts, i)`` only (rejections have probability below bound / 2**64).
     """
     limit = (1 << 64) - (1 << 64) % bound  # words < limit are accepted; 2**64 when bound is a power of 2
     words = _random_words(key, parts, count)
     result = (words % np.uint64(bound)).astype(np.int64)
-    pending = np.flatnonzero(words >= np.uint64(limit)) if limit < (1 << 64) else np.zeros(0, dtype=np.int64)
-    attempt = 0
-    while pending.size:
-        attempt += 1
-        words = _random_words(key, (*parts, "redraw", attempt), pending.size)
-        accepted = words < np.uint64(limit)
-        result[pending[accepted]] = (words[accepted] % np.uint64(bound)).astype(np.int64)
-        pending = pending[~accepted]
+    if limit == (1 << 64):
+        return result
+    derive = key.deriver(_DOMAIN)
+    for index in np.flatnonzero(words >= np.uint64(limit)).tolist():
+        attempt, word = 0, limit
+        while word >= limit:
+            attempt += 1
+            word = int.from_bytes(derive((*parts, "redraw", index, attempt), 8), "little")
+        result[index] = word % bound
     return result
-
-
-def _random_order(key: RngKey, parts: tuple, count: int) -> np.ndarray:
-    """A random permutation of ``0 .. count - 1`` (int64): indices sorted by key-derived words."""
-    return np.argsort(_random_words(key, parts, count), kind="stable").astype(np.int64)
 
 
 def _bernoulli(key: RngKey, parts: tuple, count: int, probability: float) -> np.ndarray:
@@ -135,6 +169,13 @@ def _as_index_tensor(indices: np.ndarray) -> torch.Tensor:
 def _frozen(array: np.ndarray) -> np.ndarray:
     array.setflags(write=False)
     return array
+
+
+def _grouped(assignment: np.ndarray, num_groups: int) -> tuple[np.ndarray, np.ndarray]:
+    """Indices sorted by group (ascending within a group) and the groups' start offsets."""
+    order = np.argsort(assignment, kind="stable").astype(np.int64)
+    offsets = np.concatenate([[0], np.cumsum(np.bincount(assignment, minlength=num_groups))])
+    return _frozen(order), _frozen(offsets.astype(np.int64))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -188,8 +229,10 @@ class BallsInBinsSampler(_CyclicSampler):
     """Each example in one uniformly random bin for the whole run; bins served cyclically.
 
     Once, at construction, every example is put in one of ``num_bins`` bins, independently and
-    uniformly at random (from ``key``). Step t's batch is bin ``t mod num_bins``. This is the
-    scheme ``opake.dpftrl.accounting.balls_in_bins(inner, num_bins, n_steps)`` prices.
+    uniformly at random: example i's bin is a function of ``key`` and ``i`` only. Step t's batch
+    is bin ``t mod num_bins``. This is the scheme ``opake.dpftrl.accounting.balls_in_bins(inner,
+    num_bins, n_steps)`` prices, and under add/remove adjacency one added or removed example
+    changes no other example's bin distribution (module docstring).
 
     Guarantee (for every example and every draw): it appears only at steps ``t = j mod
     num_bins`` for its bin j, so any two appearances are exactly ``num_bins`` steps apart (a
@@ -214,11 +257,9 @@ class BallsInBinsSampler(_CyclicSampler):
         num_bins = _integer("num_bins", self.num_bins, 1)
         _check_at_most("num_bins", num_bins, "num_examples", num_examples, "use at most one bin per example")
         key = _check_key(self.key)
-        bins = _uniform_below(key, ("balls_in_bins", num_examples, num_bins), num_examples, num_bins)
-        order = np.argsort(bins, kind="stable")  # grouped by bin, indices ascending within a bin
-        offsets = np.concatenate([[0], np.cumsum(np.bincount(bins, minlength=num_bins))])
+        order, offsets = _grouped(_uniform_below(key, ("balls_in_bins", num_bins), num_examples, num_bins), num_bins)
         for name, value in (("num_examples", num_examples), ("num_bins", num_bins),
-                            ("_order", _frozen(order.astype(np.int64))), ("_offsets", _frozen(offsets))):
+                            ("_order", order), ("_offsets", offsets)):
             object.__setattr__(self, name, value)
 
     def _period(self) -> int:
@@ -229,7 +270,7 @@ class BallsInBinsSampler(_CyclicSampler):
 
     @property
     def expected_batch_size(self) -> float:
-        """num_examples / num_bins: a fixed ``normalize_by`` for ``clipped_grad``."""
+        """num_examples / num_bins: the constant ``normalize_by`` for ``clipped_grad``."""
         return self.num_examples / self.num_bins
 
     def batch(self, step: int) -> torch.Tensor:
@@ -239,99 +280,32 @@ class BallsInBinsSampler(_CyclicSampler):
 
 
 @dataclass(frozen=True)
-class BMinSepSampler(_CyclicSampler):
-    """Fixed batches of exactly ``batch_size``, cycled, so appearances are >= ``min_sep`` apart.
-
-    Once, at construction, the examples are put in a random order (from ``key``) and cut into
-    ``num_batches = num_examples // batch_size`` batches of ``batch_size``; the remaining
-    ``num_examples % batch_size`` examples (``unused_examples``, chosen at random once) are
-    never sampled. Step t's batch is batch ``t mod num_batches``, every "epoch" in the same
-    order. ``num_batches >= min_sep`` is required.
-
-    Guarantee (for every example and every draw): an example appears only at steps
-    ``t = j mod num_batches`` for its batch j, so any two appearances are a positive multiple
-    of ``num_batches >= min_sep`` steps apart, and it appears at most
-    ``ceil(n_steps / num_batches)`` times:
-    ``participation(n_steps) == Participation(n_steps, min_sep, ceil(n_steps / num_batches))``.
-    The stated ``min_sep`` is the one you asked for (so it matches a strategy optimized for it);
-    the actual separation ``num_batches`` may be larger.
-
-    Why no reshuffling: shuffling each epoch independently can put an example at the end of one
-    epoch and the start of the next (separation 1). Drawing a random subset of ``batch_size``
-    from group ``t mod min_sep`` at each step would keep the separation but the bound would have
-    to count every visit of the group, ``ceil(n_steps / min_sep)`` participations, more than
-    ``ceil(n_steps / num_batches)`` here for the same batch size.
-    """
-
-    num_examples: int
-    batch_size: int
-    min_sep: int
-    key: RngKey
-    _batches: np.ndarray = field(init=False, repr=False, compare=False)
-
-    def __post_init__(self):
-        num_examples = _integer("num_examples", self.num_examples, 1)
-        batch_size = _integer("batch_size", self.batch_size, 1)
-        min_sep = _integer("min_sep", self.min_sep, 1)
-        _check_at_most("batch_size", batch_size, "num_examples", num_examples, "use a smaller batch_size")
-        num_batches = num_examples // batch_size
-        if num_batches < min_sep:
-            raise ValueError(
-                f"min_sep ({min_sep}) needs at least {min_sep} disjoint batches, but {num_examples} "
-                f"examples make only {num_batches} batches of {batch_size}; use batch_size <= "
-                f"{num_examples // min_sep} or min_sep <= {num_batches}"
-            )
-        key = _check_key(self.key)
-        order = _random_order(key, ("b_min_sep", num_examples, batch_size), num_examples)
-        batches = np.sort(order[: num_batches * batch_size].reshape(num_batches, batch_size), axis=1)
-        for name, value in (("num_examples", num_examples), ("batch_size", batch_size),
-                            ("min_sep", min_sep), ("_batches", _frozen(batches))):
-            object.__setattr__(self, name, value)
-
-    @property
-    def num_batches(self) -> int:
-        """Distinct batches, served cyclically: the actual separation between appearances."""
-        return self._batches.shape[0]
-
-    @property
-    def unused_examples(self) -> int:
-        """num_examples % batch_size examples that are never sampled."""
-        return self.num_examples - self._batches.size
-
-    def _period(self) -> int:
-        return self.num_batches
-
-    def _min_sep(self) -> int:
-        return self.min_sep
-
-    def batch(self, step: int) -> torch.Tensor:
-        """Indices (int64, ascending, exactly ``batch_size``) of batch ``step mod num_batches``."""
-        return _as_index_tensor(self._batches[self._step(step) % self.num_batches])
-
-
-@dataclass(frozen=True)
 class CyclicPoissonSampler(_CyclicSampler):
-    """Fixed groups served cyclically, each Poisson-sampled when served (Band23 Thm 4).
+    """Random groups served cyclically, each Poisson-sampled when served (Band23 Thm 4).
 
-    Once, at construction, the examples are put in a random order (from ``key``) and cut into
-    ``num_groups`` groups whose sizes differ by at most one. At step t, each member of group
-    ``t mod num_groups`` is included independently with probability ``sample_rate``, with fresh
-    randomness derived from ``(key, t)``: ``batch(step)`` is a pure function of the key and the
-    step. Batch sizes vary (expected ``num_examples * sample_rate / num_groups``).
+    Once, at construction, every example is put in one of ``num_groups`` groups, independently
+    and uniformly at random (example i's group is a function of ``key`` and ``i`` only). At step
+    t, each member of group ``t mod num_groups`` is included independently with probability
+    ``sample_rate``, with fresh randomness derived from ``(key, t)``: ``batch(step)`` is a pure
+    function of the key and the step. Batch sizes vary (expected ``num_examples * sample_rate /
+    num_groups``); normalize by ``expected_batch_size``.
 
     Guarantee (for every example and every draw): an example can appear only at steps
     ``t = g mod num_groups`` for its group g, so any two appearances are a positive multiple of
     ``num_groups`` apart, at most ``ceil(n_steps / num_groups)`` of them:
     ``participation(n_steps) == Participation(n_steps, num_groups, ceil(n_steps / num_groups))``.
     The Poisson amplification of Band23 Thm 4 (``opake.dpftrl.accounting.poisson``) applies to
-    banded strategies (BandMF, identity) only, not to a BLT.
+    banded strategies (BandMF, identity) only, not to a BLT. Band23 analyses a fixed partition;
+    here the partition is random but drawn independently of the data and per example, and the
+    theorem holds for every partition, so it holds for the mixture.
     """
 
     num_examples: int
     num_groups: int
     sample_rate: float
     key: RngKey
-    _groups: tuple = field(init=False, repr=False, compare=False)
+    _order: np.ndarray = field(init=False, repr=False, compare=False)
+    _offsets: np.ndarray = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         num_examples = _integer("num_examples", self.num_examples, 1)
@@ -344,15 +318,15 @@ class CyclicPoissonSampler(_CyclicSampler):
         if not (0.0 < rate <= 1.0):
             raise ValueError(f"sample_rate must be in (0, 1], got {rate!r}")
         key = _check_key(self.key)
-        order = _random_order(key, ("cyclic_poisson.groups", num_examples, num_groups), num_examples)
-        groups = tuple(_frozen(np.sort(group)) for group in np.array_split(order, num_groups))
+        groups = _uniform_below(key, ("cyclic_poisson.groups", num_groups), num_examples, num_groups)
+        order, offsets = _grouped(groups, num_groups)
         for name, value in (("num_examples", num_examples), ("num_groups", num_groups),
-                            ("sample_rate", rate), ("_groups", groups)):
+                            ("sample_rate", rate), ("_order", order), ("_offsets", offsets)):
             object.__setattr__(self, name, value)
 
     @property
     def expected_batch_size(self) -> float:
-        """num_examples * sample_rate / num_groups: a fixed ``normalize_by`` for ``clipped_grad``."""
+        """num_examples * sample_rate / num_groups: the constant ``normalize_by`` for ``clipped_grad``."""
         return self.num_examples * self.sample_rate / self.num_groups
 
     def _period(self) -> int:
@@ -361,13 +335,22 @@ class CyclicPoissonSampler(_CyclicSampler):
     def _min_sep(self) -> int:
         return self.num_groups
 
+    def _members(self, step: int) -> np.ndarray:
+        group = step % self.num_groups
+        return self._order[self._offsets[group]:self._offsets[group + 1]]
+
     def group(self, step: int) -> torch.Tensor:
         """All members (int64, ascending) of group ``step mod num_groups``, sampled or not."""
-        return _as_index_tensor(self._groups[self._step(step) % self.num_groups])
+        return _as_index_tensor(self._members(self._step(step)))
 
     def batch(self, step: int) -> torch.Tensor:
-        """Indices (int64, ascending) of the members of group ``step mod num_groups`` drawn at ``step``."""
+        """Indices (int64, ascending) of the members of group ``step mod num_groups`` drawn at ``step``.
+
+        Member j (in ascending index order) is included when word j of the stream for
+        ``(num_groups, step)`` is below the threshold: an example appended to the dataset comes
+        last in its group, so it never changes the other members' draws.
+        """
         step = self._step(step)
-        members = self._groups[step % self.num_groups]
-        parts = ("cyclic_poisson.step", self.num_examples, self.num_groups, step)
+        members = self._members(step)
+        parts = ("cyclic_poisson.step", self.num_groups, step)
         return _as_index_tensor(members[_bernoulli(self.key, parts, members.size, self.sample_rate)])

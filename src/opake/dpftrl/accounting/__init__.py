@@ -7,24 +7,32 @@
   (method="rdp") or a Monte Carlo estimate (method="monte_carlo") on request.
 * ``poisson(mf_gaussian(noise_multiplier, strategy), sample_rate, n_steps)``: cyclic Poisson
   sampling for BandMF (Band23 Thm 4) and the identity strategy (DP-SGD), by PLD; refuses a BLT.
+
+Each of them states the noise it priced as ``priced_noise`` (a ``PricedNoise``: the resolved
+mechanism and the noise multiplier); ``check_noise_priced`` (what
+``noise_fn.check_accounted_by(process)`` runs) refuses a noise stage that runs other noise.
 """
 
 from opake.dpftrl.accounting.balls_in_bins import BallsInBins, balls_in_bins
 from opake.dpftrl.accounting.gaussian import MFGaussian, UnboundMechanismError, mf_gaussian
 from opake.dpftrl.accounting.monte_carlo import BallsInBinsMonteCarlo, DeltaEstimate, EpsilonEstimate
 from opake.dpftrl.accounting.poisson import UnsupportedAmplificationError, poisson
+from opake.dpftrl.noise.priced import AccountingMismatchError, PricedNoise, check_noise_priced
 from opake.dpftrl.accounting.rdp_allocation import BallsInBinsRDP
 
 __all__ = [
+    "AccountingMismatchError",
     "BallsInBins",
     "BallsInBinsMonteCarlo",
     "BallsInBinsRDP",
     "DeltaEstimate",
     "EpsilonEstimate",
     "MFGaussian",
+    "PricedNoise",
     "UnboundMechanismError",
     "UnsupportedAmplificationError",
     "balls_in_bins",
+    "check_noise_priced",
     "mf_gaussian",
     "poisson",
 ]

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from opake.dpftrl.accounting.gaussian import MFGaussian
 from opake.dpftrl.accounting.monte_carlo import BallsInBinsMonteCarlo, monte_carlo
+from opake.dpftrl.noise.priced import PricedNoise
 from opake.dpftrl.accounting.rdp_allocation import BallsInBinsRDP, rdp_allocation
 
 METHODS = ("rigorous", "monte_carlo", "rdp")
@@ -48,6 +49,11 @@ class BallsInBins:
     @property
     def participation(self):
         return self.bound.participation
+
+    @property
+    def priced_noise(self) -> PricedNoise:
+        """The inner mechanism bound to (n_steps, min_sep=num_bins, ceil(n_steps/num_bins)), sigma."""
+        return self.bound.priced_noise
 
     @property
     def description(self) -> str:

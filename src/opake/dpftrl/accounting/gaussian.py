@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from opake.accounting.gaussian import Gaussian
 from opake.accounting.process import check_delta, check_epsilon, check_noise_multiplier
+from opake.dpftrl.noise.priced import PricedNoise
 from opake.dpftrl.participation import Participation
 
 
@@ -54,6 +55,16 @@ class MFGaussian:
     @property
     def participation(self) -> Participation | None:
         return None if self.mechanism is None else self.mechanism.participation
+
+    @property
+    def priced_noise(self) -> PricedNoise:
+        """The noise this process prices (bound only; an unbound one priced none)."""
+        if self.mechanism is None:
+            raise UnboundMechanismError(
+                "an unbound mf_gaussian priced no particular noise (it has no resolved mechanism): "
+                + _UNBOUND_ADVICE
+            )
+        return PricedNoise(self.mechanism, self.noise_multiplier)
 
     @property
     def sensitivity(self) -> float:

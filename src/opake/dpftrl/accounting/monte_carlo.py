@@ -37,6 +37,7 @@ import scipy.optimize
 from opake.accounting.confidence import kl_lower_bound, kl_upper_bound
 from opake.accounting.process import check_delta, check_epsilon
 from opake.dpftrl.accounting.bin_gram import bin_gram_of_run
+from opake.dpftrl.noise.priced import PricedNoise
 
 _CHUNK_ENTRIES = 1 << 21  # samples x bins per chunk (16 MiB of float64)
 
@@ -134,6 +135,11 @@ class BallsInBinsMonteCarlo:
     add_losses: np.ndarray  # L under P, sorted ascending
 
     is_guarantee = False
+
+    @property
+    def priced_noise(self) -> PricedNoise:
+        """The same noise as the unamplified bound: the bound inner mechanism and sigma."""
+        return self.rigorous.priced_noise
 
     @property
     def description(self) -> str:

@@ -35,6 +35,7 @@ from dp_accounting.pld import PLDAccountant
 
 from opake.accounting.process import check_delta, check_epsilon
 from opake.dpftrl.accounting.gaussian import MFGaussian
+from opake.dpftrl.noise.priced import PricedNoise
 from opake.dpftrl.participation import Participation
 
 BLT_ADVICE = (
@@ -80,6 +81,11 @@ class CyclicPoisson:
     @property
     def participation(self) -> Participation:
         return self.bound.participation
+
+    @property
+    def priced_noise(self) -> PricedNoise:
+        """The inner mechanism bound to the sampler's participation, and sigma (not sigma_eff)."""
+        return self.bound.priced_noise
 
     @property
     def effective_noise_multiplier(self) -> float:
@@ -195,7 +201,7 @@ def poisson(
         raise ValueError(f"value_discretization_interval must be finite and > 0, got {value_discretization_interval!r}")
     compositions = -(-n // bands)
     participation = Participation(n, bands, compositions)
-    if inner.is_bound and inner.participation != participation:
+    if inner.is_bound and inner.participation.canonical != participation.canonical:
         raise ValueError(
             f"inner was bound to ({inner.participation}), but cyclic Poisson sampling with {bands} "
             f"group(s) guarantees ({participation}); pass the unbound mf_gaussian(noise_multiplier, "

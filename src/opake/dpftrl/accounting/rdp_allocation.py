@@ -29,6 +29,7 @@ from scipy.special import gammaln, logsumexp
 
 from opake.accounting.process import check_delta, check_epsilon
 from opake.dpftrl.accounting.bin_gram import bin_gram_of_run
+from opake.dpftrl.noise.priced import PricedNoise
 
 MAX_ORDER = 256
 
@@ -95,6 +96,11 @@ class BallsInBinsRDP:
     rdp: np.ndarray
 
     is_guarantee = True
+
+    @property
+    def priced_noise(self) -> PricedNoise:
+        """The same noise as the unamplified bound: the bound inner mechanism and sigma."""
+        return self.rigorous.priced_noise
 
     @property
     def orders(self) -> np.ndarray:

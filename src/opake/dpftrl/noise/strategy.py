@@ -72,8 +72,10 @@ class Mechanism:
         object.__setattr__(self, "theta", _readonly(self.theta))
         object.__setattr__(self, "omega", _readonly(self.omega))
         if not self.fingerprint:
+            # the canonical context: max_participations=None and its explicit equivalent
+            # resolve identically, so they must not give two fingerprints
             fp = _digest(
-                type(self.recipe).__name__, self.recipe, self.participation,
+                type(self.recipe).__name__, self.recipe, self.participation.canonical,
                 self.theta, self.omega, self.schedule_fingerprint,
             )
             object.__setattr__(self, "fingerprint", fp)

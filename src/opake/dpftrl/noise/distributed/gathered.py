@@ -5,22 +5,32 @@ ownership="tensors")`` is the distributed form of ``mf_gaussian_noise`` for DDP-
 (every rank holds the same, all-reduced, clipped gradients). Every rank computes the same
 ownership map (``ownership``), keeps (B, n_owned) buffers only for its own parameters and, at
 each step, writes gradient + scale * x for them into a byte buffer; one
-``all_gather_into_tensor`` over the process group gives every rank all of them, and the
-returned pytree's leaves are views of the gathered bytes (zero-copy for whole-tensor
-ownership). The values equal ``mf_gaussian_noise``'s bit for bit on the same device type for
+``all_gather_into_tensor`` over the process group gives every rank all of them, and every
+leaf of the returned pytree is copied out of the gathered bytes into a tensor of its own
+(see "What a released leaf owns" below). The values equal ``mf_gaussian_noise``'s bit for bit on the same device type for
 any world size (noise is keyed by (key, step, parameter path, block); see ``pieces``).
 
 What travels: each rank's slot is a 32-byte header (a format tag, its state's step, the bits
 of its noise scale as float64, and a status: 0 ok, 1 its local checks failed) followed by its
-outputs, each aligned to 8 bytes, padded to the largest rank's size. Leaves in the model's
-main dtype are views of the gathered bytes; leaves in other dtypes are copied out of it (one
-storage viewed as two dtypes could not be saved with ``torch.save``). After the gather every
-rank reads all headers and raises the same ``RankDisagreementError`` when the steps or scales
-differ or a rank's checks failed (that rank re-raises its own error), so a mismatch is an error
-on every rank, never different noise, and never a hang (a failing rank still joins the
+outputs, each aligned to 8 bytes, padded to the largest rank's size; the alignment gaps and the
+padding are zeroed before the gather, so no rank sends uninitialized memory. After the gather
+every rank reads all headers and raises the same ``RankDisagreementError`` when the steps or
+scales differ or a rank's checks failed (that rank re-raises its own error), so a mismatch is an
+error on every rank, never different noise, and never a hang (a failing rank still joins the
 collective). After such an error the ranks' streams are out of step: restore every rank from
 its checkpoint. Outputs have the template's dtypes (as in ``mf_gaussian_noise``, whatever the
 gradients' floating dtypes), which fixes the byte layout on all ranks.
+
+What a released leaf owns: exactly its own values. ``torch.save`` writes a tensor's whole
+storage, so a leaf that viewed the gathered bytes would carry, in every saved file, the headers,
+the padding, every other leaf and whatever the allocator left in memory it handed out (in a
+review run: about 400 000 raw float32 values of a training example). So each leaf is copied out
+of the gathered bytes into a tensor of its own (one copy of d values per step; the gathered
+buffer is freed when the step returns), and ``leaf.untyped_storage().nbytes() == leaf.numel() *
+leaf.element_size()`` in every ownership mode (tests check this, and that an un-noised gradient
+value never appears in a released storage). On CPU these tensors are recycled as the engine's
+output (``engine.pages.OutputVectors``, one per leaf): a leaf's tensor from the last step is
+overwritten in full once the caller no longer references it, else a new one is allocated.
 """
 
 from __future__ import annotations
@@ -41,6 +51,7 @@ from opake.dpftrl.noise.distributed.pieces import Piece
 from opake.dpftrl.noise.distributed.stage import PieceStage
 from opake.dpftrl.noise.engine.correlated_noise import validated_arguments
 from opake.dpftrl.noise.engine.layout import Layout, path_text
+from opake.dpftrl.noise.engine.pages import OutputVectors
 from opake.dpftrl.noise.engine.state import NoiseState
 from opake.dpftrl.noise.engine.streaming import streaming_inverse
 from opake.random import RngKey
@@ -65,6 +76,19 @@ def _byte_layout(layout: Layout, ranges) -> tuple[list, int]:
         offsets.append(at)
         at += _aligned((stop - start) * layout.leaves[leaf].dtype.itemsize)
     return offsets, at
+
+
+def _padding(layout: Layout, ranges, slot_bytes: int) -> list[tuple[int, int]]:
+    """For one rank's slot: (start, length) of each byte that is neither header nor output."""
+    offsets, _ = _byte_layout(layout, ranges)
+    gaps, ends = [], [offset + (stop - start) * layout.leaves[leaf].dtype.itemsize
+                      for offset, (leaf, start, stop) in zip(offsets, ranges)]
+    for end, next_start in zip(ends, offsets[1:] + [slot_bytes]):
+        if next_start > end:
+            gaps.append((end, next_start - end))
+    if not ranges and slot_bytes > _HEADER_BYTES:
+        gaps.append((_HEADER_BYTES, slot_bytes - _HEADER_BYTES))
+    return gaps
 
 
 class GatheredNoise(PieceStage):
@@ -94,10 +118,8 @@ class GatheredNoise(PieceStage):
         self.owned_paths = tuple(path_text(layout.leaves[leaf].path) for leaf, _, _ in ranges[rank])
         self._offsets = [_byte_layout(layout, r)[0] for r in ranges]
         self._slot_bytes = max(_byte_layout(layout, r)[1] for r in ranges)
-        sizes: dict = {}
-        for slot in layout.leaves:
-            sizes[slot.dtype] = sizes.get(slot.dtype, 0) + slot.numel
-        self._main_dtype = max(sizes, key=lambda dtype: (sizes[dtype], str(dtype)))
+        self._padding = _padding(layout, ranges[rank], self._slot_bytes)
+        self._outputs = [OutputVectors(self.device) for _ in layout.leaves]
 
     def __call__(self, clipped: ClippedPytree, state: NoiseState) -> tuple[NoisedPytree, NoiseState]:
         with torch.no_grad():
@@ -107,6 +129,7 @@ class GatheredNoise(PieceStage):
         self.check_state(state)
         self.check_clipped(clipped)
         leaves = self.layout.flatten_gradients(clipped.pytree)
+        self.check_dense(leaves)  # before reshape/narrow, which fail on sparse tensors
         gradients = [leaves[p.leaf].reshape(-1).narrow(0, p.start, p.length) for p in self.pieces]
         self.check_finite(gradients)
         return gradients, self.noise_multiplier * clipped.l2_bound / clipped.normalization
@@ -121,6 +144,8 @@ class GatheredNoise(PieceStage):
             failure = error
         header = struct.pack("<qqdq", _TAG, step, scale, 0 if failure is None else 1)
         send[:_HEADER_BYTES].copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
+        for start, length in self._padding:  # torch.empty's bytes must not travel to the other ranks
+            send.narrow(0, start, length).zero_()
         if failure is None:
             outputs = [self._view(send, offset, piece)
                        for offset, piece in zip(self._offsets[self.rank], self.pieces)]
@@ -163,22 +188,22 @@ class GatheredNoise(PieceStage):
         return buffer.narrow(0, offset, piece.length * dtype.itemsize).view(dtype)
 
     def _unpack(self, slots: torch.Tensor):
+        """Each leaf as a tensor of its own, its pieces copied out of the gathered slots.
+
+        Never a view: ``torch.save`` writes a view's whole storage, here the headers, padding
+        and every other leaf (see the module doc). The tensors come from ``OutputVectors``, one
+        per leaf: on CPU the last step's once the caller no longer references it (no page
+        faults), else a new one."""
         parts: list[list] = [[] for _ in self.layout.leaves]
         for rank, ranges in enumerate(self.ownership):
             for offset, (leaf, start, stop) in zip(self._offsets[rank], ranges):
                 dtype = self.layout.leaves[leaf].dtype
                 parts[leaf].append((start, slots[rank].narrow(0, offset, (stop - start) * dtype.itemsize).view(dtype)))
         outputs = []
-        for slot, pieces in zip(self.layout.leaves, parts):
-            pieces.sort(key=lambda item: item[0])
-            if not pieces:
-                flat = torch.empty(0, dtype=slot.dtype, device=self.device)
-            elif len(pieces) == 1:
-                flat = pieces[0][1]
-            else:
-                flat = torch.cat([piece for _, piece in pieces])
-            if slot.dtype != self._main_dtype and flat.untyped_storage().data_ptr() == slots.untyped_storage().data_ptr():
-                flat = flat.clone()  # one storage must not be viewed as two dtypes (torch.save refuses)
+        for slot, vectors, pieces in zip(self.layout.leaves, self._outputs, parts):
+            flat = vectors.get(slot.dtype, slot.numel)
+            for start, piece in pieces:
+                flat.narrow(0, start, piece.numel()).copy_(piece)
             outputs.append(flat.view(slot.shape))
         return self.layout.treespec.unflatten(outputs)
 
@@ -205,7 +230,8 @@ def sharded_mf_gaussian_noise(
     (B, n_owned) buffers; ``noise_fn(clipped, state)`` returns on every rank the full noisy
     gradients, identical on all ranks and to ``mf_gaussian_noise`` with the same key, using one
     all-gather per step. Checkpoint with ``state.state_dict()`` on each rank and resume with
-    ``noise_fn.load_state_dict(saved)`` at the same world size.
+    ``noise_fn.load_state_dict(saved, draws="replay")`` (or ``fresh_key=k``, the same on every
+    rank; see ``engine.state`` for what each costs) at the same world size.
     """
     if ownership not in OWNERSHIP_MODES:
         raise ValueError(f"ownership must be one of {OWNERSHIP_MODES}, got {ownership!r}")

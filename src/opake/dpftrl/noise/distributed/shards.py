@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from opake.dpftrl.noise.distributed.agreement import check_agreement, fingerprint_components
-from opake.dpftrl.noise.engine.correlated_noise import validated_arguments
+from opake.dpftrl.noise.engine.correlated_noise import check_dense_gradient, validated_arguments
 from opake.dpftrl.noise.distributed.ownership import map_fingerprint
 from opake.dpftrl.noise.distributed.pieces import Piece
 from opake.dpftrl.noise.distributed.stage import PieceStage
@@ -87,6 +87,7 @@ class ShardNoise(PieceStage):
                 where = path_text(piece.slot.path)
                 if not isinstance(leaf, torch.Tensor) or not leaf.is_floating_point():
                     raise TypeError(f"gradient shard {where!r} must be a floating-point torch.Tensor, got {leaf!r:.80}")
+                check_dense_gradient(where, leaf)
                 if leaf.shape != (piece.length,):
                     raise ValueError(
                         f"gradient shard {where!r} has shape {tuple(leaf.shape)} but this rank's shard is "

@@ -4,9 +4,14 @@ A rank's state is an ordinary ``engine.state.NoiseState`` whose buffers are (B, 
 columns of the pieces this rank computes, and whose ``layout_fingerprint`` reads
 ``"distributed:<mode>:world_size=<W>:rank=<r>:<hash of the whole ownership map>"``. So
 ``state.state_dict()`` / ``torch.save`` work as for one process, each rank saving its part,
-and ``noise_fn.load_state_dict(saved)`` refuses, with a message naming the difference, a
-checkpoint from another world size, rank or ownership mode before the generic checks (key,
-mechanism, horizon, ...).
+and ``noise_fn.load_state_dict(saved, draws="replay")`` (or ``fresh_key=k``) refuses, with a
+message naming the difference, a checkpoint from another world size, rank or ownership mode
+before the generic checks (integrity, key, mechanism, horizon, ...). The choice between
+replaying and redrawing is required as for one process (``engine.state``); every rank must make
+the same one (the same fresh key), else the ranks' pieces continue different streams.
+
+A state drawing with a fresh draw key (``state.draw_key != noise_fn.key``) is advanced by a
+``PieceStream`` of that key, built once and cached, as the engine caches its samplers.
 """
 
 from __future__ import annotations
@@ -16,13 +21,17 @@ import math
 import torch
 
 from opake.dpftrl.noise.distributed.pieces import Piece, PieceStream
+from opake.dpftrl.noise.engine.correlated_noise import check_dense_gradient
 from opake.dpftrl.noise.engine.layout import Layout, path_text
 from opake.dpftrl.noise.engine.state import check_state_for, NoiseState
+from opake.dpftrl.noise.priced import check_noise_priced
+from opake.random import RngKey
 from opake.types import ClippedPytree
 
 __all__ = ["DistributedCheckpointError", "PieceStage"]
 
 _PREFIX = "distributed"
+_CACHED_DRAW_KEYS = 4  # streams kept for draw keys other than the stage's (fresh-key states)
 
 
 class DistributedCheckpointError(ValueError):
@@ -56,17 +65,29 @@ class PieceStage:
         self.rank = rank
         self.world_size = world_size
         self.mode = mode
-        self.stream = PieceStream(pieces, inverse, key, dtype, layout.device)
+        self.stream = PieceStream(pieces, inverse, key, dtype, layout.device)  # for draw_key == key
+        self._other_streams: dict[RngKey, PieceStream] = {}  # fresh-key states, oldest first
         self.local_size = self.stream.size
         self._mechanism_fingerprint = str(getattr(mechanism, "fingerprint", ""))
         self._layout_fingerprint = f"{_PREFIX}:{mode}:world_size={world_size}:rank={rank}:{map_hash}"
+
+    def check_accounted_by(self, process) -> None:
+        """Raise unless ``process`` priced exactly this noise (as ``noise_fn.check_accounted_by``
+        of the single-process engine: mechanism, participation context, noise multiplier)."""
+        check_noise_priced(process, mechanism=self.mechanism, participation=self.participation,
+                           noise_multiplier=self.noise_multiplier)
 
     def init(self) -> NoiseState:
         """A fresh state: zero (B, n_local) buffers, step 0."""
         return NoiseState.fresh(self, self.local_size, self._mechanism_fingerprint, self._layout_fingerprint)
 
-    def load_state_dict(self, state_dict: dict) -> NoiseState:
-        """This rank's state saved by ``state.state_dict()``, checked against this stage."""
+    def load_state_dict(self, state_dict: dict, *, draws: str | None = None,
+                        fresh_key: RngKey | None = None) -> NoiseState:
+        """This rank's state saved by ``state.state_dict()``, checked against this stage.
+
+        ``draws="replay"`` or ``fresh_key=k`` is required, with the privacy costs described in
+        ``NoiseState.load_state_dict``; use the same choice on every rank.
+        """
         saved = _parse(state_dict.get("layout_fingerprint")) if isinstance(state_dict, dict) else None
         if saved is None:
             raise DistributedCheckpointError(
@@ -81,7 +102,7 @@ class PieceStage:
                     f"each rank saves only the noise buffers of what it owns, so resume with the "
                     f"same world size and ownership, each rank loading its own file"
                 )
-        return self.init().load_state_dict(state_dict)
+        return self.init().load_state_dict(state_dict, draws=draws, fresh_key=fresh_key)
 
     # -- checks (all run before any buffer is written) ----------------------------------------
 
@@ -98,6 +119,11 @@ class PieceStage:
                 f"yourself with opake.types.clipped(pytree, l2_bound=..., normalization=...)"
             )
 
+    def check_dense(self, leaves) -> None:
+        """``leaves``: one gradient (or gradient shard) per template leaf, in layout order."""
+        for slot, leaf in zip(self.layout.leaves, leaves):
+            check_dense_gradient(path_text(slot.path), leaf)
+
     def check_finite(self, gradients) -> None:
         """``gradients``: the 1-D gradient stretch of each owned piece."""
         for piece, gradient in zip(self.pieces, gradients):
@@ -110,12 +136,24 @@ class PieceStage:
     def run(self, state: NoiseState, gradients, outputs, scale: float) -> NoiseState:
         """Advance ``state``'s buffers into ``outputs`` (as the engine does: a call interrupted
         while writing marks the storage corrupted) and return the next state."""
+        stream = self._stream_for(state.draw_key)
         storage, step = state._storage, state.step
         storage.step = -1
         try:
-            self.stream.advance(gradients, outputs, storage.buffers, step, scale)
+            stream.advance(gradients, outputs, storage.buffers, step, scale)
         except BaseException:
             storage.corrupted_at = step
             raise
         storage.step = step
         return state.advanced()
+
+    def _stream_for(self, draw_key: RngKey) -> PieceStream:
+        if draw_key == self.key:
+            return self.stream
+        stream = self._other_streams.get(draw_key)
+        if stream is None:
+            if len(self._other_streams) >= _CACHED_DRAW_KEYS:
+                del self._other_streams[next(iter(self._other_streams))]
+            stream = self._other_streams[draw_key] = PieceStream(
+                self.pieces, self.inverse, draw_key, self.dtype, self.device)
+        return stream

@@ -29,11 +29,18 @@ buffers each leaf uses) depends only on the template and the compute dtype and i
 once (``engine.plan``).
 
 Purity. The returned state takes over the buffers (updated in place) and the state passed in
-is retired: using it again raises ``RetiredStateError`` instead of giving different noise;
-``state.copy()`` keeps a reusable copy. The alternative, returning fresh buffers every step,
-would double the memory of the largest object in the engine (B x d) and the traffic of every
-step. Every check (types, structure, shapes, devices, finiteness, horizon) runs before the
-buffers are touched, so a call that raises leaves its state usable.
+is retired: using it again raises ``RetiredStateError`` instead of giving different noise.
+``state.copy(draws="replay")`` or ``state.copy(fresh_key=k)`` keeps a second state; the choice
+is required because releasing a step twice costs privacy either way (replayed noise cancels
+between two different gradients; fresh noise is a second release to account for; see
+``engine.state``). The alternative, returning fresh buffers every step, would double the memory
+of the largest object in the engine (B x d) and the traffic of every step. Every check (types,
+structure, shapes, dense layout, dtypes, devices, finiteness, horizon) runs before the buffers
+are touched, so a call that raises leaves its state usable.
+
+Draw keys. A state draws with its ``draw_key``: the engine's key, or after a fresh-key copy or
+restore a key derived from the fresh key. The engine keeps one ``BlockSampler`` for its own key
+and a few more, cached, for other draw keys, so the common path is one key comparison.
 
 >>> import torch
 >>> from opake.dpftrl.noise import identity_strategy, mf_gaussian_noise
@@ -59,6 +66,7 @@ from opake.dpftrl.noise.engine.pages import OutputVectors
 from opake.dpftrl.noise.engine.plan import plan_step
 from opake.dpftrl.noise.engine.state import check_state_for, NoiseState
 from opake.dpftrl.noise.engine.streaming import streaming_inverse
+from opake.dpftrl.noise.priced import check_noise_priced
 from opake._checks import positive_finite
 from opake.dpftrl.participation import Participation
 from opake.random import RngKey
@@ -67,6 +75,10 @@ from opake.types import ClippedPytree, NoisedPytree
 __all__ = ["CorrelatedNoise", "mf_gaussian_noise"]
 
 _COMPUTE_DTYPES = (torch.float32, torch.float64)
+# Gradient and template dtypes the step supports end to end (draws, finiteness check, the mixed
+# add): float8 and other exotic floating types fail inside torch's kernels, after the checks.
+_GRADIENT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_CACHED_DRAW_KEYS = 4  # samplers kept for draw keys other than the engine's (fresh-key states)
 _CAST_PIECE = 2**16
 _CPU_CHUNK = 2**16
 
@@ -101,6 +113,22 @@ def add_noise(gradient: torch.Tensor, x: torch.Tensor, out: torch.Tensor, scale:
         size = min(_CAST_PIECE, length - begin)
         torch.add(gradient.narrow(0, begin, size), x.narrow(0, begin, size), alpha=scale,
                   out=out.narrow(0, begin, size))
+
+
+def check_dense_gradient(where: str, leaf: torch.Tensor) -> None:
+    """Refuse a gradient the step cannot add noise to element by element (before any buffer is
+    written): sparse or otherwise non-strided layouts, and floating dtypes other than float16,
+    bfloat16, float32 and float64. Shared by the engine and the distributed stages."""
+    if leaf.layout != torch.strided:
+        raise TypeError(
+            f"gradient {where!r} has layout {leaf.layout}; the noise engine adds noise to every "
+            f"element, so it needs a dense tensor: pass {where!r} as gradient.to_dense()"
+        )
+    if leaf.dtype not in _GRADIENT_DTYPES:
+        raise TypeError(
+            f"gradient {where!r} has dtype {leaf.dtype}; the noise engine supports float16, "
+            f"bfloat16, float32 and float64 gradients: convert it, e.g. gradient.float()"
+        )
 
 
 def _resolve(strategy, participation: Participation):
@@ -140,42 +168,41 @@ class CorrelatedNoise:
         self.inverse = streaming_inverse(mechanism)
         self.inverse.check_dtype(dtype)
         self._coefficients = self.inverse.coefficients(dtype, self.device)
-        self._sampler = BlockSampler(key, self.device)
+        self._sampler = BlockSampler(key, self.device)  # draws of states with draw_key == key
+        self._other_samplers: dict[RngKey, BlockSampler] = {}  # fresh-key states, oldest first
         self._fingerprint = str(getattr(mechanism, "fingerprint", ""))
         self._plan = plan_step(layout, dtype)
         self._outputs = OutputVectors(self.device)
 
     def check_accounted_by(self, process) -> None:
-        """Raise unless ``process`` priced exactly this noise (same mechanism, same multiplier).
+        """Raise unless ``process`` priced exactly this noise: same mechanism, context, multiplier.
 
-        ``process`` is a bound ``opake.dpftrl.accounting.mf_gaussian`` (or anything with
-        ``.mechanism`` and ``.noise_multiplier``). Different recipes, participation contexts or
-        learning-rate schedule values give different mechanism fingerprints; an epsilon computed
-        for another mechanism or noise multiplier is not this run's guarantee.
+        ``process`` is any accountant of ``opake.dpftrl.accounting`` (a bound ``mf_gaussian``,
+        ``balls_in_bins`` with any method, ``poisson``): each states the noise it priced as
+        ``priced_noise``. Different recipes, participation contexts or learning-rate schedule
+        values give different mechanism fingerprints; an epsilon computed for another
+        mechanism or noise multiplier is not this run's guarantee. The comparison is
+        ``opake.dpftrl.noise.priced.check_noise_priced``; it raises an ``AccountingMismatchError``
+        (a ValueError) naming every difference.
         """
-        mechanism = getattr(process, "mechanism", None)
-        if mechanism is None:
-            raise ValueError(
-                "the accountant has no resolved mechanism (an unbound mf_gaussian); give it the run's "
-                "n_steps, min_sep and max_participations, or compare through the amplifier's bound process"
-            )
-        problems = []
-        if getattr(mechanism, "fingerprint", None) != self._fingerprint:
-            problems.append(
-                f"mechanism: the accountant priced {mechanism!r}, the noise runs {self.mechanism!r}"
-            )
-        sigma = getattr(process, "noise_multiplier", None)
-        if sigma is not None and float(sigma) != self.noise_multiplier:
-            problems.append(f"noise_multiplier: accountant {sigma!r}, noise {self.noise_multiplier!r}")
-        if problems:
-            raise ValueError(
-                "accounting and noise disagree (" + "; ".join(problems) + "); build both from the same "
-                "strategy recipe, participation context and noise multiplier"
-            )
+        check_noise_priced(process, mechanism=self.mechanism, participation=self.participation,
+                           noise_multiplier=self.noise_multiplier)
 
     def init(self) -> NoiseState:
         """A fresh state: zero buffers, step 0."""
         return NoiseState.fresh(self, self.size, self._fingerprint, self.layout.fingerprint)
+
+    def _sampler_for(self, draw_key: RngKey) -> BlockSampler:
+        """The sampler for a state's draw key: the engine's own, or a cached one per other key
+        (building one derives the key's hash prefix and, on CPU, a generator state)."""
+        if draw_key == self.key:
+            return self._sampler
+        sampler = self._other_samplers.get(draw_key)
+        if sampler is None:
+            if len(self._other_samplers) >= _CACHED_DRAW_KEYS:
+                del self._other_samplers[next(iter(self._other_samplers))]
+            sampler = self._other_samplers[draw_key] = BlockSampler(draw_key, self.device)
+        return sampler
 
     # -- checks (all run before any buffer is written) ----------------------------------------
 
@@ -191,6 +218,8 @@ class CorrelatedNoise:
                 f"yourself with opake.types.clipped(pytree, l2_bound=..., normalization=...)"
             )
         leaves = self.layout.flatten_gradients(clipped.pytree)
+        for slot, leaf in zip(self.layout.leaves, leaves):
+            check_dense_gradient(path_text(slot.path), leaf)
         # Finiteness with one reduction per leaf and no d-sized temporary. For float32/64 a
         # sum is NaN or +-inf when an element is, and otherwise finite unless it overflows,
         # which only sends us to the exact check below; one sync per dtype. Half-precision
@@ -233,10 +262,11 @@ class CorrelatedNoise:
         scratch = None
         if plan.scratch_length:
             scratch = torch.empty(plan.scratch_length, dtype=self.dtype, device=self.device)
+        sampler = self._sampler_for(state.draw_key)
         storage, step = state._storage, state.step
         storage.step = -1
         try:
-            self._advance(plan, leaves, flats, scratch, storage.buffers, step, scale)
+            self._advance(plan, leaves, flats, scratch, storage.buffers, step, scale, sampler)
         except BaseException:
             storage.corrupted_at = step
             raise
@@ -248,7 +278,7 @@ class CorrelatedNoise:
                 outputs[index] = piece if piece.shape == shape else piece.view(shape)
         return NoisedPytree(pytree=self.layout.treespec.unflatten(outputs), step=step), state.advanced()
 
-    def _advance(self, plan, leaves, flats, scratch, buffers, step: int, scale: float) -> None:
+    def _advance(self, plan, leaves, flats, scratch, buffers, step: int, scale: float, sampler) -> None:
         """Fill x with z, turn it into x_t, fold it into the buffers, write gradient + scale x."""
         gradients = [leaf if leaf.dim() == 1 else leaf.reshape(-1) for leaf in leaves]
         chunk = columns_per_advance(self.device)
@@ -259,16 +289,17 @@ class CorrelatedNoise:
             else:
                 x = scratch if scratch.numel() == segment.length else scratch.narrow(0, 0, segment.length)
             if chunk is None:
-                self._advance_whole(segment, x, gradients, flats, buffers, step, scale, coefficients)
+                self._advance_whole(segment, x, gradients, flats, buffers, step, scale, coefficients, sampler)
             else:
-                self._advance_blocked(segment, x, gradients, flats, buffers, step, scale, coefficients, chunk)
+                self._advance_blocked(segment, x, gradients, flats, buffers, step, scale, coefficients, chunk,
+                                      sampler)
 
-    def _advance_whole(self, segment, x, gradients, flats, buffers, step, scale, coefficients) -> None:
+    def _advance_whole(self, segment, x, gradients, flats, buffers, step, scale, coefficients, sampler) -> None:
         """Few large ops (for several threads or a GPU): all draws, one inverse call, the adds."""
         slots = self.layout.leaves
         pieces = x.split(segment.draw_lengths) if len(segment.draws) > 1 else (x,)
         for (index, block), piece in zip(segment.draws, pieces):
-            self._sampler.fill(piece, step, slots[index].code, block)                 # x <- z
+            sampler.fill(piece, step, slots[index].code, block)                       # x <- z
         columns = buffers.narrow(1, segment.column, segment.length)
         self.inverse.advance(x, columns, coefficients)                               # x <- (C^{-1} z)_t
         if segment.direct:
@@ -281,7 +312,8 @@ class CorrelatedNoise:
             out = flats[segment.output_dtype].narrow(0, output_offset, length)
             add_noise(gradients[index].narrow(0, leaf_begin, length), x, out, scale)
 
-    def _advance_blocked(self, segment, x, gradients, flats, buffers, step, scale, coefficients, chunk) -> None:
+    def _advance_blocked(self, segment, x, gradients, flats, buffers, step, scale, coefficients, chunk,
+                         sampler) -> None:
         """Cache-blocked (single-threaded CPU): all draws first (measured faster than drawing
         between the stretches, whose dirty buffer lines the draws would then write back), then
         stretches of about ``chunk`` columns go through the inverse and the final add while in
@@ -305,7 +337,7 @@ class CorrelatedNoise:
             pending.clear()
 
         for (index, block), piece in zip(segment.draws, pieces):
-            self._sampler.fill(piece, step, slots[index].code, block)                # x <- z
+            sampler.fill(piece, step, slots[index].code, block)                      # x <- z
         start = 0  # where the current noise block starts in x
         for (index, block), piece in zip(segment.draws, pieces):
             length = piece.numel()
@@ -382,4 +414,10 @@ def validated_arguments(grad_template, strategy, n_steps, min_sep, max_participa
                             "calibrate it to the privacy budget with opake.accounting.calibrate")
     participation = Participation(n_steps, min_sep, max_participations)
     layout = Layout.from_template(grad_template)
+    for slot in layout.leaves:
+        if slot.dtype not in _GRADIENT_DTYPES:
+            raise TypeError(
+                f"grad_template leaf {path_text(slot.path)!r} has dtype {slot.dtype}; the noise "
+                f"engine supports float16, bfloat16, float32 and float64 parameters"
+            )
     return layout, _resolve(strategy, participation), participation, sigma
