@@ -165,7 +165,7 @@ def test_an_interrupted_call_marks_the_buffers_corrupted():
     def interrupt(*args):
         raise KeyboardInterrupt
 
-    noise_fn._sampler.fill = interrupt  # simulate an interruption after the checks passed
+    noise_fn._samplers.own.fill = interrupt  # simulate an interruption after the checks passed
     with pytest.raises(KeyboardInterrupt):
         noise_fn(_grads(0), state)
     with pytest.raises(CorruptedStateError, match=r"interrupted.*restore the state from a checkpoint.*"
@@ -289,7 +289,7 @@ def test_a_fresh_key_copy_draws_new_noise_of_the_full_std():
     later, _ = noise_fn(_identity_grads(0.0), state)
     later_fresh, _ = noise_fn(_identity_grads(0.0), fresh)
     assert abs((later.pytree["w"] - later_fresh.pytree["w"]).std().item() - 2**0.5) < 0.02
-    assert list(noise_fn._other_samplers) == [fresh.draw_key]
+    assert list(noise_fn._samplers._others) == [fresh.draw_key]
     # Different fresh keys give different streams; the same fresh key gives the same stream
     # (so use a new key for every retry).
     fn, s = _identity_engine(size=8)

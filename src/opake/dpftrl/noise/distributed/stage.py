@@ -21,6 +21,7 @@ import math
 import torch
 
 from opake.dpftrl.noise.distributed.pieces import Piece, PieceStream
+from opake.dpftrl.noise.engine.draws import PerDrawKey
 from opake.dpftrl.noise.engine.correlated_noise import check_dense_gradient
 from opake.dpftrl.noise.engine.layout import Layout, path_text
 from opake.dpftrl.noise.engine.state import check_state_for, NoiseState
@@ -31,7 +32,6 @@ from opake.types import ClippedPytree
 __all__ = ["DistributedCheckpointError", "PieceStage"]
 
 _PREFIX = "distributed"
-_CACHED_DRAW_KEYS = 4  # streams kept for draw keys other than the stage's (fresh-key states)
 
 
 class DistributedCheckpointError(ValueError):
@@ -65,9 +65,8 @@ class PieceStage:
         self.rank = rank
         self.world_size = world_size
         self.mode = mode
-        self.stream = PieceStream(pieces, inverse, key, dtype, layout.device)  # for draw_key == key
-        self._other_streams: dict[RngKey, PieceStream] = {}  # fresh-key states, oldest first
-        self.local_size = self.stream.size
+        self._streams = PerDrawKey(key, lambda draw_key: PieceStream(pieces, inverse, draw_key, dtype, layout.device))
+        self.local_size = self._streams.own.size
         self._mechanism_fingerprint = str(getattr(mechanism, "fingerprint", ""))
         self._layout_fingerprint = f"{_PREFIX}:{mode}:world_size={world_size}:rank={rank}:{map_hash}"
 
@@ -136,7 +135,7 @@ class PieceStage:
     def run(self, state: NoiseState, gradients, outputs, scale: float) -> NoiseState:
         """Advance ``state``'s buffers into ``outputs`` (as the engine does: a call interrupted
         while writing marks the storage corrupted) and return the next state."""
-        stream = self._stream_for(state.draw_key)
+        stream = self._streams(state.draw_key)
         storage, step = state._storage, state.step
         storage.step = -1
         try:
@@ -147,13 +146,3 @@ class PieceStage:
         storage.step = step
         return state.advanced()
 
-    def _stream_for(self, draw_key: RngKey) -> PieceStream:
-        if draw_key == self.key:
-            return self.stream
-        stream = self._other_streams.get(draw_key)
-        if stream is None:
-            if len(self._other_streams) >= _CACHED_DRAW_KEYS:
-                del self._other_streams[next(iter(self._other_streams))]
-            stream = self._other_streams[draw_key] = PieceStream(
-                self.pieces, self.inverse, draw_key, self.dtype, self.device)
-        return stream

@@ -60,7 +60,7 @@ import math
 
 import torch
 
-from opake.dpftrl.noise.engine.draws import BLOCK_ELEMENTS, BlockSampler
+from opake.dpftrl.noise.engine.draws import BLOCK_ELEMENTS, BlockSampler, PerDrawKey
 from opake.dpftrl.noise.engine.layout import Layout, path_text
 from opake.dpftrl.noise.engine.pages import OutputVectors
 from opake.dpftrl.noise.engine.plan import plan_step
@@ -78,7 +78,6 @@ _COMPUTE_DTYPES = (torch.float32, torch.float64)
 # Gradient and template dtypes the step supports end to end (draws, finiteness check, the mixed
 # add): float8 and other exotic floating types fail inside torch's kernels, after the checks.
 _GRADIENT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_CACHED_DRAW_KEYS = 4  # samplers kept for draw keys other than the engine's (fresh-key states)
 _CAST_PIECE = 2**16
 _CPU_CHUNK = 2**16
 
@@ -168,8 +167,7 @@ class CorrelatedNoise:
         self.inverse = streaming_inverse(mechanism)
         self.inverse.check_dtype(dtype)
         self._coefficients = self.inverse.coefficients(dtype, self.device)
-        self._sampler = BlockSampler(key, self.device)  # draws of states with draw_key == key
-        self._other_samplers: dict[RngKey, BlockSampler] = {}  # fresh-key states, oldest first
+        self._samplers = PerDrawKey(key, lambda draw_key: BlockSampler(draw_key, self.device))
         self._fingerprint = str(getattr(mechanism, "fingerprint", ""))
         self._plan = plan_step(layout, dtype)
         self._outputs = OutputVectors(self.device)
@@ -191,18 +189,6 @@ class CorrelatedNoise:
     def init(self) -> NoiseState:
         """A fresh state: zero buffers, step 0."""
         return NoiseState.fresh(self, self.size, self._fingerprint, self.layout.fingerprint)
-
-    def _sampler_for(self, draw_key: RngKey) -> BlockSampler:
-        """The sampler for a state's draw key: the engine's own, or a cached one per other key
-        (building one derives the key's hash prefix and, on CPU, a generator state)."""
-        if draw_key == self.key:
-            return self._sampler
-        sampler = self._other_samplers.get(draw_key)
-        if sampler is None:
-            if len(self._other_samplers) >= _CACHED_DRAW_KEYS:
-                del self._other_samplers[next(iter(self._other_samplers))]
-            sampler = self._other_samplers[draw_key] = BlockSampler(draw_key, self.device)
-        return sampler
 
     # -- checks (all run before any buffer is written) ----------------------------------------
 
@@ -262,7 +248,7 @@ class CorrelatedNoise:
         scratch = None
         if plan.scratch_length:
             scratch = torch.empty(plan.scratch_length, dtype=self.dtype, device=self.device)
-        sampler = self._sampler_for(state.draw_key)
+        sampler = self._samplers(state.draw_key)
         storage, step = state._storage, state.step
         storage.step = -1
         try:

@@ -146,3 +146,31 @@ class BlockSampler:
             seed = int.from_bytes(self._seed_bytes(step, path, block_index, 8), "little")
             self._generator.manual_seed(seed)
         block.normal_(generator=self._generator)
+
+
+class PerDrawKey:
+    """One drawing object per draw key: the stage's own key's, built once, and a few others.
+
+    States copied or restored with a fresh key draw with another key (``engine.state``); their
+    samplers (or distributed streams) are cached, at most ``CAPACITY``, oldest evicted first,
+    so the common path, a state drawing with the stage's own key, is one key comparison.
+    ``make(key)`` builds the object for a key.
+    """
+
+    CAPACITY = 4
+
+    def __init__(self, key: RngKey, make):
+        self.key = key
+        self._make = make
+        self.own = make(key)
+        self._others: dict = {}
+
+    def __call__(self, draw_key: RngKey):
+        if draw_key == self.key:
+            return self.own
+        found = self._others.get(draw_key)
+        if found is None:
+            if len(self._others) >= self.CAPACITY:
+                del self._others[next(iter(self._others))]
+            found = self._others[draw_key] = self._make(draw_key)
+        return found
