@@ -19,7 +19,7 @@ from scipy import stats
 from opake.dpftrl.accounting import balls_in_bins, mf_gaussian
 from opake.dpftrl.noise import identity_strategy
 from opake.dpftrl.participation import Participation
-from opake.dpftrl.sampling import BallsInBinsSampler, CyclicPoissonSampler
+from opake.dpftrl.sampling import BallsInBinsSampler, CyclicPoissonSampler, collate_allowing_empty
 from opake.dpftrl.sampling import _uniform_below
 from end_to_end_support import LegacyFixedSizeSampler
 from opake.random import key
@@ -306,3 +306,61 @@ def test_step_and_horizon_errors(make):
         sampler.batch(-1)
     with pytest.raises(TypeError, match="step must be an integer"):
         sampler.batch(1.0)
+
+
+# --- torch.utils.data: the batches through a DataLoader ----------------------------------------
+
+
+class _IndexedDataset(torch.utils.data.Dataset):
+    """Example i is a dict holding i, so a batch tells which examples the loader served."""
+
+    def __init__(self, size):
+        self.size = size
+
+    def __len__(self):
+        return self.size
+
+    def __getitem__(self, index):
+        return {"index": index, "x": torch.full((2, 3), float(index))}
+
+
+@pytest.mark.parametrize("make", _SAMPLERS)
+def test_a_data_loader_serves_exactly_the_samplers_batches(make):
+    sampler = make(key(5))
+    loader = sampler.data_loader(_IndexedDataset(30), n_steps=12)
+    assert len(loader) == 12
+    served = [batch["index"].tolist() for batch in loader]
+    assert served == [sampler.batch(step).tolist() for step in range(12)]
+    assert served == [batch["index"].tolist() for batch in loader]  # a second epoch of the loader
+    resumed = sampler.data_loader(_IndexedDataset(30), n_steps=12, start_step=7)
+    assert [batch["index"].tolist() for batch in resumed] == served[7:]
+    plain = torch.utils.data.DataLoader(_IndexedDataset(30), batch_sampler=sampler.batch_sampler(12),
+                                        collate_fn=collate_allowing_empty({"index": 0, "x": torch.zeros(2, 3)}))
+    assert [batch["index"].tolist() for batch in plain] == served
+
+
+def test_an_empty_bin_is_collated_into_zero_length_tensors():
+    # 3 examples in 3 bins: with this key bin 0 is empty (checked below), so step 0's batch is.
+    sampler = BallsInBinsSampler(3, 3, key(1))
+    empty_steps = [step for step in range(3) if sampler.batch(step).numel() == 0]
+    assert empty_steps, "the key was chosen so that a bin is empty"
+    dataset = torch.utils.data.TensorDataset(torch.randn(3, 4, 5), torch.arange(3))
+    batches = list(sampler.data_loader(dataset, n_steps=3))
+    for step in empty_steps:
+        x, y = batches[step]
+        assert x.shape == (0, 4, 5) and x.dtype == torch.float32 and y.shape == (0,) and y.dtype == torch.int64
+    with pytest.raises(IndexError):  # why the collate exists: torch's own fails on an empty batch
+        torch.utils.data.default_collate([])
+
+
+def test_data_loader_refuses_what_would_change_the_priced_batches():
+    sampler = BallsInBinsSampler(30, 4, key(0))
+    with pytest.raises(ValueError, match=r"dataset has 31 examples.*num_examples=30"):
+        sampler.data_loader(_IndexedDataset(31), n_steps=8)
+    for option in ({"batch_size": 8}, {"shuffle": True}, {"drop_last": True}):
+        with pytest.raises(TypeError, match=r"does not take.*participation the accountant priced"):
+            sampler.data_loader(_IndexedDataset(30), n_steps=8, **option)
+    with pytest.raises(ValueError, match=r"start_step \(9\) must be <= n_steps \(8\)"):
+        sampler.batch_sampler(8, start_step=9)
+    with pytest.raises(TypeError, match="collated leaves are all tensors"):
+        collate_allowing_empty(("a string", 1))

@@ -21,6 +21,7 @@ import sys
 from dataclasses import dataclass
 from fractions import Fraction
 
+import dp_accounting
 import scipy.optimize
 from scipy.special import erfcx, log_ndtr
 
@@ -151,6 +152,12 @@ class Gaussian:
     @property
     def description(self) -> str:
         return f"Gaussian mechanism with noise multiplier {self.noise_multiplier:.6g} (exact, BW18 Thm 8)"
+
+    @property
+    def dp_event(self) -> dp_accounting.DpEvent:
+        """This mechanism as dp_accounting's ``GaussianDpEvent``, to compose with other releases
+        in dp_accounting's RDP or PLD accountants."""
+        return dp_accounting.GaussianDpEvent(self.noise_multiplier)
 
     def delta_at(self, epsilon: float) -> float:
         return math.exp(gaussian_log_delta(self.noise_multiplier, check_epsilon(epsilon)))

@@ -54,12 +54,14 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 import numpy as np
+import optree
 import torch
+import torch.utils.data
 
 from opake.dpftrl.participation import Participation
 from opake.random import RngKey
 
-__all__ = ["BallsInBinsSampler", "CyclicPoissonSampler"]
+__all__ = ["BallsInBinsSampler", "CyclicPoissonSampler", "StepBatches", "collate_allowing_empty"]
 
 _DOMAIN = "opake.dpftrl.sampling"
 _WORDS_PER_CHUNK = 1 << 16  # 512 KiB of hash output per derivation
@@ -215,9 +217,90 @@ class _CyclicSampler:
             )
         return Participation(n_steps, min_sep=min_sep, max_participations=-(-n_steps // self._period()))
 
+    def batch_sampler(self, n_steps: int, start_step: int = 0) -> StepBatches:
+        """The batches of steps ``start_step .. n_steps - 1`` as a torch batch sampler.
+
+        ``DataLoader(dataset, batch_sampler=sampler.batch_sampler(n_steps))`` yields exactly
+        ``batch(step)`` for every step in order, so the loader keeps this sampler's guarantee.
+        Batches can be empty (a bin with no example): torch's default collate cannot collate an
+        empty list, so pass ``collate_fn=collate_allowing_empty(dataset[0])`` or use
+        :meth:`data_loader`. ``start_step`` resumes a run mid-way.
+        """
+        return StepBatches(self, n_steps, start_step)
+
+    def data_loader(self, dataset, n_steps: int, start_step: int = 0, **loader_options) -> torch.utils.data.DataLoader:
+        """A ``torch.utils.data.DataLoader`` over ``dataset`` serving this sampler's batches.
+
+        ``len(dataset)`` must equal ``num_examples`` (index i is example i); empty batches are
+        collated into zero-length tensors (``collate_allowing_empty``) unless ``collate_fn`` is
+        given. Other keyword arguments go to the DataLoader (``num_workers``, ``pin_memory``, ...);
+        ``batch_size``, ``shuffle``, ``sampler`` and ``drop_last`` are refused: they would replace
+        the batches whose participation the accountant priced.
+        """
+        if len(dataset) != self.num_examples:
+            raise ValueError(
+                f"the dataset has {len(dataset)} examples but this {type(self).__name__} was built for "
+                f"num_examples={self.num_examples}; build the sampler with num_examples=len(dataset)"
+            )
+        conflicting = sorted({"batch_size", "shuffle", "sampler", "batch_sampler", "drop_last"} & set(loader_options))
+        if conflicting:
+            raise TypeError(
+                f"data_loader() does not take {conflicting}: the batches come from this sampler, whose "
+                f"participation the accountant priced; size them with the sampler (num_bins, num_groups)"
+            )
+        collate = loader_options.pop("collate_fn", None) or collate_allowing_empty(dataset[0])
+        return torch.utils.data.DataLoader(
+            dataset, batch_sampler=self.batch_sampler(n_steps, start_step), collate_fn=collate, **loader_options)
+
     @staticmethod
     def _step(step) -> int:
         return _integer("step", step, 0)
+
+
+class StepBatches(torch.utils.data.Sampler):
+    """A sampler's batches of steps ``start_step .. n_steps - 1``, as lists of indices: a torch
+    batch sampler (``DataLoader(dataset, batch_sampler=...)``); build it with
+    ``sampler.batch_sampler(n_steps)``. Iterating it again yields the same batches."""
+
+    def __init__(self, sampler: _CyclicSampler, n_steps: int, start_step: int = 0):
+        super().__init__()
+        self.sampler = sampler
+        self.n_steps = _integer("n_steps", n_steps, 1)
+        self.start_step = _integer("start_step", start_step, 0)
+        _check_at_most("start_step", self.start_step, "n_steps", self.n_steps, "start at a step of the run")
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return (self.sampler.batch(step).tolist() for step in range(self.start_step, self.n_steps))
+
+    def __len__(self) -> int:
+        return self.n_steps - self.start_step
+
+
+def collate_allowing_empty(example):
+    """A ``collate_fn`` like torch's default that also collates an EMPTY batch.
+
+    Variable-size batches (balls in bins, Poisson) can be empty; torch's ``default_collate``
+    fails on an empty list. This one collates a non-empty batch with ``default_collate`` and an
+    empty one into the structure ``default_collate([example])`` has, with every tensor cut to
+    length 0 along the batch dimension (so ``x.shape == (0, *example_shape)``). ``example`` is
+    any one item of the dataset (e.g. ``dataset[0]``); its collated leaves must be tensors
+    (numbers and numpy arrays become tensors; strings are not supported: pass your own
+    ``collate_fn``).
+    """
+    template = torch.utils.data.default_collate([example])
+    leaves = optree.tree_leaves(template, none_is_leaf=True)
+    if not all(isinstance(leaf, torch.Tensor) for leaf in leaves):
+        raise TypeError(
+            "collate_allowing_empty needs examples whose collated leaves are all tensors (tensors, "
+            "numbers, numpy arrays, in tuples/lists/dicts); write a collate_fn that handles an "
+            "empty batch for this dataset"
+        )
+    empty = optree.tree_map(lambda leaf: leaf[:0], template, none_is_leaf=True)
+
+    def collate(items):
+        return torch.utils.data.default_collate(items) if items else empty
+
+    return collate
 
 
 # ---------------------------------------------------------------------------------------------

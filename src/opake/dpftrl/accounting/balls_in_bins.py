@@ -56,6 +56,11 @@ class BallsInBins:
         return self.bound.priced_noise
 
     @property
+    def dp_event(self):
+        """The unamplified bound as dp_accounting's ``GaussianDpEvent`` (exactly this process)."""
+        return self.bound.dp_event
+
+    @property
     def description(self) -> str:
         return (
             f"balls-in-bins, {self.num_bins} bins over {self.n_steps} steps: rigorous upper bound "

@@ -82,6 +82,16 @@ class MFGaussian:
         return Gaussian(self.effective_noise_multiplier)
 
     @property
+    def dp_event(self):
+        """The run as dp_accounting's ``GaussianDpEvent(noise_multiplier / S)``, exactly (bound only).
+
+        The whole run is one Gaussian mechanism with that noise multiplier (MATH.md section 6),
+        so dp_accounting's RDP and PLD accountants can compose it with other releases of the
+        same data; an unbound mf_gaussian raises (it has no sensitivity yet).
+        """
+        return self.gaussian.dp_event
+
+    @property
     def description(self) -> str:
         if self.mechanism is None:
             return f"unbound mf_gaussian (noise multiplier {self.noise_multiplier:.6g}); needs an amplifier"

@@ -142,6 +142,14 @@ class BallsInBinsMonteCarlo:
         return self.rigorous.priced_noise
 
     @property
+    def dp_event(self):
+        """Refused: an estimate has no dominating event. Compose ``rigorous.dp_event`` instead."""
+        raise TypeError(
+            "a Monte Carlo estimate is not a proven bound, so it has no dp_event to compose; use "
+            "the rigorous process's event (this_process.rigorous.dp_event) or method='rdp'"
+        )
+
+    @property
     def description(self) -> str:
         inner = self.rigorous.bound
         return (

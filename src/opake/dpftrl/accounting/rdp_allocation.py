@@ -103,6 +103,13 @@ class BallsInBinsRDP:
         return self.rigorous.priced_noise
 
     @property
+    def dp_event(self):
+        """The UNAMPLIFIED bound's ``GaussianDpEvent``: a valid dominating event, looser than this
+        process, because dp_accounting has no event for the amplified Renyi bound. For the
+        amplified RDP curve itself, compose ``orders`` and ``rdp`` by adding them order by order."""
+        return self.rigorous.dp_event
+
+    @property
     def orders(self) -> np.ndarray:
         return np.arange(2, self.rdp.shape[0] + 2)
 
