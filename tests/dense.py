@@ -236,3 +236,40 @@ def optimal_toeplitz_sqrt_max_loss(n: int) -> float:
     k = np.arange(1, n, dtype=np.float64)
     s = np.concatenate(([1.0], np.cumprod((2.0 * k - 1.0) / (2.0 * k))))
     return math.fsum((s * s).tolist()) if n <= 2_000_000 else float(np.sum(s * s))
+
+
+# ---------------------------------------------------------------------------------------------
+# The parameter trajectory of torch.optim.SGD, read off the real optimizer
+
+
+def torch_sgd_trajectory_matrix(n: int, momentum: float = 0.0, dampening: float = 0.0,
+                                nesterov: bool = False, lr_schedule=None) -> np.ndarray:
+    """W[t, s] = -(change of the parameters after step t) for a unit gradient at step s only.
+
+    Runs torch.optim.SGD itself (float64) on a parameter vector of n coordinates; at step u the
+    gradient is e_u, so coordinate s sees the impulse "gradient 1 at step s, 0 elsewhere" and its
+    trajectory is column s of the linear map from gradient noise to parameter noise. SGD is
+    coordinate-wise, including its momentum buffer (created on the first step from that step's
+    gradient), so the coordinates do not interact. The learning rate of step u is set in the
+    param group before the step, as LR schedulers do. No formula of opake is used.
+    """
+    import torch
+
+    param = torch.zeros(n, dtype=torch.float64, requires_grad=True)
+    opt = torch.optim.SGD([param], lr=1.0, momentum=momentum, dampening=dampening, nesterov=nesterov)
+    eta = np.ones(n) if lr_schedule is None else np.asarray(lr_schedule, dtype=np.float64)
+    out = np.empty((n, n))
+    for u in range(n):
+        opt.param_groups[0]["lr"] = float(eta[u])
+        grad = torch.zeros(n, dtype=torch.float64)
+        grad[u] = 1.0
+        param.grad = grad
+        opt.step()
+        out[u] = -param.detach().numpy()
+    return out
+
+
+def per_query_errors_of(workload_matrix: np.ndarray, matrix: np.ndarray) -> np.ndarray:
+    """e_t = ||row_t(W C^{-1})||^2 for any dense workload W and strategy matrix C."""
+    x = solve_triangular(matrix.T, workload_matrix.T, lower=False).T
+    return np.sum(x * x, axis=1)

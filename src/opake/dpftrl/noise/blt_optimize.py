@@ -111,14 +111,18 @@ def decays_from_free(v, y_max: float) -> _Decays:
     )
 
 
-def _loss(v, ctx: Participation, error: str, momentum: float, schedule):
+def _loss(v, ctx: Participation, error: str, target, schedule):
     # A line-search probe far out can underflow a gap to 0; the objective then reports a
     # non-finite loss and L-BFGS backs off, so the floating-point warnings are expected.
     with np.errstate(all="ignore"):
         d = decays_from_free(v, max_log_complement(ctx.n_steps))
         sens2 = blt.minsep_sensitivity_squared_arrays(d.theta, d.leak, d.omega, ctx)
-        leaks, weights = blt.workload_terms_arrays(d.leak, d.leak_hat, d.omega_hat, momentum)
-        err = blt.error_arrays(leaks, weights, ctx.n_steps, error, schedule)
+        if isinstance(target, blt.ParameterWorkload):
+            err = blt.parameter_error_arrays(d.leak, d.leak_hat, d.omega_hat, target, ctx.n_steps,
+                                             error, schedule)
+        else:
+            leaks, weights = blt.workload_terms_arrays(d.leak, d.leak_hat, d.omega_hat, target)
+            err = blt.error_arrays(leaks, weights, ctx.n_steps, error, schedule)
         return np.log(sens2) + np.log(err)
 
 
@@ -138,10 +142,10 @@ def _initial_tops(ctx: Participation) -> tuple:
     return tops
 
 
-def _minimize(v0: np.ndarray, ctx, error, momentum, schedule, *, stall: float, max_iterations: int):
+def _minimize(v0: np.ndarray, ctx, error, target, schedule, *, stall: float, max_iterations: int):
     def objective(v):
         probes = v[None, :] + (1j * _STEP) * np.eye(v.shape[0])
-        loss = _loss(probes, ctx, error, momentum, schedule)
+        loss = _loss(probes, ctx, error, target, schedule)
         return float(loss[0].real), loss.imag / _STEP
 
     x, value, _ = minimize_until_stalled(
@@ -158,43 +162,53 @@ def optimize(
     max_buffers: int = 10,
     momentum: float = 1.0,
     lr_schedule: np.ndarray | None = None,
+    workload: blt.ParameterWorkload | None = None,
 ) -> OptimizeResult:
-    """The BLT minimizing sens^2 x error for ``ctx``, rounded for float32 and re-checked."""
+    """The BLT minimizing sens^2 x error for ``ctx``, rounded for float32 and re-checked.
+
+    The error is that of the workload W = D_eta M_beta (``momentum``, the seed's meaning) or,
+    given ``workload``, of SGD's parameter trajectory W = S D_eta M (``blt.ParameterWorkload``;
+    ``momentum`` is then ignored). Sensitivity depends on C only.
+    """
+    target = momentum if workload is None else workload  # _loss and _finish dispatch on its type
     if ctx.n_steps == 1:
         # One step: C = [1] whatever the buffers; the identity-like 1-buffer BLT with omega = 0.
         params = blt.BLTParams(np.array([0.5]), np.array([0.0]))
-        return _finish(params, ctx, momentum, lr_schedule, ())
+        return _finish(params, ctx, target, lr_schedule, ())
     best_v, best_loss, losses = None, math.inf, []
     # Explore buffer counts with a stall tolerance 100x finer than BUFFER_GAIN, then polish
     # the chosen count to the 9th digit of the loss.
     for num_buffers in range(1, max_buffers + 1):
         starts = [_initial_free(num_buffers, ctx.n_steps, top) for top in _initial_tops(ctx)]
         if len(starts) > 1:  # a short race between the starts, then only the leader continues
-            raced = [_minimize(v0, ctx, error, momentum, lr_schedule, stall=_EXPLORE_STALL,
+            raced = [_minimize(v0, ctx, error, target, lr_schedule, stall=_EXPLORE_STALL,
                                max_iterations=_RACE_ITERATIONS) for v0 in starts]
             starts = [min(raced, key=lambda start: start[1])[0]]
-        v, loss = _minimize(starts[0], ctx, error, momentum, lr_schedule, stall=_EXPLORE_STALL,
+        v, loss = _minimize(starts[0], ctx, error, target, lr_schedule, stall=_EXPLORE_STALL,
                             max_iterations=_EXPLORE_ITERATIONS)
         losses.append(math.exp(loss))
         if loss >= best_loss + math.log1p(-BUFFER_GAIN):
             break  # this buffer is not worth its memory: keep the smaller count
         best_v, best_loss = v, loss
-    best_v, _ = _minimize(best_v, ctx, error, momentum, lr_schedule, stall=_POLISH_STALL,
+    best_v, _ = _minimize(best_v, ctx, error, target, lr_schedule, stall=_POLISH_STALL,
                           max_iterations=_POLISH_ITERATIONS)
     d = decays_from_free(best_v, max_log_complement(ctx.n_steps))
     params = blt.BLTParams(d.theta, d.omega)
-    return _finish(params, ctx, momentum, lr_schedule, tuple(losses))
+    return _finish(params, ctx, target, lr_schedule, tuple(losses))
 
 
-def _finish(params, ctx, momentum, lr_schedule, losses) -> OptimizeResult:
+def _finish(params, ctx, target, lr_schedule, losses) -> OptimizeResult:
     rounded = blt.round_for_float32(params)
     blt.check_minsep_preconditions(rounded)
     sens2 = blt.minsep_sensitivity_squared(rounded, ctx)
-    if lr_schedule is None:
-        max_err = blt.max_error(rounded, ctx.n_steps, momentum)
-        mean_err = blt.mean_error(rounded, ctx.n_steps, momentum)
+    if isinstance(target, blt.ParameterWorkload):
+        rows = blt.parameter_per_query_errors(rounded, ctx.n_steps, target, lr_schedule)
+        max_err, mean_err = float(rows.max()), float(rows.mean())
+    elif lr_schedule is None:
+        max_err = blt.max_error(rounded, ctx.n_steps, target)
+        mean_err = blt.mean_error(rounded, ctx.n_steps, target)
     else:
-        rows = blt.per_query_errors(rounded, ctx.n_steps, momentum, lr_schedule)
+        rows = blt.per_query_errors(rounded, ctx.n_steps, target, lr_schedule)
         max_err, mean_err = float(rows.max()), float(rows.mean())
     return OptimizeResult(
         params=rounded, sensitivity=math.sqrt(sens2), max_loss=sens2 * max_err,

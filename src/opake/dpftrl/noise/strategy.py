@@ -12,6 +12,7 @@ b = ``min_sep``, k = ``max_participations``, theta = buffer decays, omega = outp
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import math
@@ -25,6 +26,7 @@ from opake.dpftrl.noise import blt
 from opake.dpftrl.participation import Participation
 
 _ERRORS = ("max", "mean")
+_WORKLOADS = ("updates", "parameters")
 
 
 def _readonly(array: np.ndarray) -> np.ndarray:
@@ -161,7 +163,7 @@ def _check_schedule_values(values: np.ndarray, n_steps: int) -> np.ndarray:
     return values
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class BLTStrategy:
     """Recipe for a Buffered Linear Toeplitz strategy (BLT24, UseBLT24).
 
@@ -171,7 +173,13 @@ class BLTStrategy:
         or at ``max_buffers``; the smallest B reaching the best loss is kept, since every buffer
         costs d floats of training memory.
       error: "max" or "mean" prefix-sum error (of the workload weighted by the schedule).
-      momentum: beta in (0, 1] of the workload W[t, s] = eta_t * beta^(t - s).
+      momentum: beta. With ``workload="updates"``: beta in (0, 1] of the workload
+        W[t, s] = eta_t * beta^(t - s) (the seed's meaning; beta = 1 is prefix sums). With
+        ``workload="parameters"``: torch.optim.SGD's momentum, in [0, 1) (0 = plain SGD).
+      workload: "updates" (default, W = D_eta M_beta: each step's update) or "parameters"
+        (W = S D_eta M: the noise in the parameters of torch.optim.SGD with this momentum,
+        dampening, nesterov and lr schedule; see ``blt.ParameterWorkload``).
+      dampening, nesterov: torch.optim.SGD's, for ``workload="parameters"`` only.
       lr_schedule: None, a sequence of n_steps positive values eta_t, or a deterministic
         callable step -> eta_t. A sequence is stored as a tuple and takes part in equality; a
         callable takes part by identity, and the resolved mechanism carries a fingerprint of the
@@ -182,6 +190,19 @@ class BLTStrategy:
     error: str = "max"
     momentum: float = 1.0
     lr_schedule: tuple | Callable[[int], float] | None = None
+    workload: str = "updates"
+    dampening: float = 0.0
+    nesterov: bool = False
+
+    def __repr__(self) -> str:
+        # Mechanism fingerprints digest this repr: the fields added with ``workload`` appear
+        # only when they differ from their defaults, so earlier recipes keep their fingerprints.
+        parts = [f"max_buffers={self.max_buffers!r}", f"error={self.error!r}",
+                 f"momentum={self.momentum!r}", f"lr_schedule={self.lr_schedule!r}"]
+        if self.workload != "updates" or self.dampening != 0.0 or self.nesterov:
+            parts += [f"workload={self.workload!r}", f"dampening={self.dampening!r}",
+                      f"nesterov={self.nesterov!r}"]
+        return f"BLTStrategy({', '.join(parts)})"
 
     def __post_init__(self):
         mb = self.max_buffers
@@ -190,10 +211,25 @@ class BLTStrategy:
         object.__setattr__(self, "max_buffers", int(mb))
         if self.error not in _ERRORS:
             raise ValueError(f"error must be one of {_ERRORS}, got {self.error!r}")
+        if self.workload not in _WORKLOADS:
+            raise ValueError(f"workload must be one of {_WORKLOADS}, got {self.workload!r}")
         beta = self.momentum
-        if isinstance(beta, bool) or not isinstance(beta, numbers.Real) or not (0.0 < float(beta) <= 1.0):
-            raise ValueError(f"momentum must be a number in (0, 1], got {beta!r}")
-        object.__setattr__(self, "momentum", float(beta))
+        if self.workload == "parameters":
+            if isinstance(beta, numbers.Real) and not isinstance(beta, bool) and float(beta) == 1.0:
+                raise ValueError(
+                    "workload='parameters' models torch.optim.SGD, whose momentum must be in [0, 1); "
+                    "got momentum=1.0 (the default of workload='updates'): pass momentum=0.0 for plain SGD"
+                )
+            sgd = self.parameter_workload  # validates momentum, dampening and nesterov
+            object.__setattr__(self, "momentum", sgd.momentum)
+            object.__setattr__(self, "dampening", sgd.dampening)
+        else:
+            if isinstance(beta, bool) or not isinstance(beta, numbers.Real) or not (0.0 < float(beta) <= 1.0):
+                raise ValueError(f"momentum must be a number in (0, 1], got {beta!r}")
+            object.__setattr__(self, "momentum", float(beta))
+            if self.dampening != 0.0 or self.nesterov is not False:
+                raise ValueError("dampening and nesterov describe torch.optim.SGD and apply to "
+                                 "workload='parameters' only; the 'updates' workload has neither")
         schedule = self.lr_schedule
         if schedule is not None and not callable(schedule):
             try:
@@ -204,6 +240,13 @@ class BLTStrategy:
                 raise ValueError(f"lr_schedule must be a 1-D sequence, got shape {values.shape}")
             _check_schedule_values(values, values.shape[0])
             object.__setattr__(self, "lr_schedule", tuple(float(v) for v in values))
+
+    @property
+    def parameter_workload(self) -> blt.ParameterWorkload | None:
+        """The SGD parameter workload of ``workload="parameters"``, else None."""
+        if self.workload != "parameters":
+            return None
+        return blt.ParameterWorkload(self.momentum, self.dampening, self.nesterov)
 
     def schedule_values(self, n_steps: int) -> np.ndarray | None:
         """The schedule eta_0..eta_{n-1} as float64, validated; None without a schedule."""
@@ -226,7 +269,7 @@ class BLTStrategy:
         fingerprint = None if values is None else _digest(values)
         # The cache key holds the schedule's values through their fingerprint, so a callable
         # that changed what it returns can never hit a stale entry.
-        key = BLTStrategy(self.max_buffers, self.error, self.momentum, None)
+        key = dataclasses.replace(self, lr_schedule=None)
         return _resolve_blt(key, ctx, fingerprint, None if values is None else values.tobytes(), self)
 
 
@@ -237,6 +280,7 @@ def _resolve_blt(key: BLTStrategy, ctx: Participation, fingerprint, schedule_byt
     schedule = None if schedule_bytes is None else np.frombuffer(schedule_bytes, dtype=np.float64)
     result = blt_optimize.optimize(
         ctx, error=key.error, max_buffers=key.max_buffers, momentum=key.momentum, lr_schedule=schedule,
+        workload=key.parameter_workload,
     )
     return Mechanism(
         recipe=recipe, participation=ctx, theta=result.params.theta, omega=result.params.omega,
@@ -250,13 +294,21 @@ def blt_strategy(
     error: str = "max",
     momentum: float = 1.0,
     lr_schedule: Sequence[float] | Callable[[int], float] | None = None,
+    *,
+    workload: str = "updates",
+    dampening: float = 0.0,
+    nesterov: bool = False,
 ) -> BLTStrategy:
     """A BLT strategy recipe; resolve it for a participation context to get the mechanism.
 
     >>> strategy = blt_strategy(max_buffers=10)
     >>> mech = strategy.resolve(n_steps=5000, min_sep=100, max_participations=5)
+
+    For training with ``torch.optim.SGD(lr=eta_t, momentum=0.9)``, optimize the noise in the
+    parameters: ``blt_strategy(workload="parameters", momentum=0.9, lr_schedule=eta)``.
     """
-    return BLTStrategy(max_buffers=max_buffers, error=error, momentum=momentum, lr_schedule=lr_schedule)
+    return BLTStrategy(max_buffers=max_buffers, error=error, momentum=momentum, lr_schedule=lr_schedule,
+                       workload=workload, dampening=dampening, nesterov=nesterov)
 
 
 def mechanism_from_blt(params: blt.BLTParams, participation: Participation, recipe=None) -> Mechanism:
