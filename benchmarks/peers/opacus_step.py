@@ -1,0 +1,51 @@
+"""Opacus peer for benchmarks/training_step.py; runs in ../peer-opacus's interpreter, never imported.
+
+    ../peer-opacus/bin/python benchmarks/peers/opacus_step.py cnn 64 7
+
+Builds the same model and data as training_step.py, makes them private with Opacus' default
+(Poisson-free, fixed batches; ghost clipping via ``grad_sample_mode="ghost"``), and prints the
+best step time in seconds and the peak of torch's live allocations during one step, in bytes.
+"""
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from noise_engine import _peak_allocated_bytes  # noqa: E402
+from training_step import _best, _data, _model  # noqa: E402
+
+
+def main() -> int:
+    from opacus import PrivacyEngine
+
+    name, batch, repeats = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    torch.set_num_threads(1)
+    model = _model(name)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    dataset = _data(name, batch * 4)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=batch)
+    engine = PrivacyEngine()
+    model, optimizer, criterion, loader = engine.make_private(
+        module=model, optimizer=optimizer, criterion=torch.nn.CrossEntropyLoss(), data_loader=loader,
+        noise_multiplier=1.0, max_grad_norm=1.0, grad_sample_mode="ghost", poisson_sampling=False,
+    )
+    x_all, y_all = dataset.tensors
+
+    def step(index=[0]):
+        start = (index[0] % 4) * batch
+        index[0] += 1
+        optimizer.zero_grad()
+        out = model(x_all[start:start + batch])
+        loss = criterion(out.reshape(-1, out.shape[-1]), y_all[start:start + batch].reshape(-1))
+        loss.backward()
+        optimizer.step()
+
+    seconds = _best(step, repeats)
+    print(seconds, _peak_allocated_bytes(step))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,24 @@
+"""PyTorch front end: private training with correlated noise on standard PyTorch objects.
+
+``make_private(module=, optimizer=, dataset=, batch_size=, epochs=, target_epsilon=,
+target_delta=, max_grad_norm=)`` plans the run and returns the module, a ``DPOptimizer`` and a
+DataLoader for the user's unchanged loop (docs/torch.md). ``fix_model`` / ``validate_model``
+deal with layers that mix examples (BatchNorm). ``opake.torch.per_example`` is the per-example
+clipping engine (hooks, ghost norms) underneath. Nothing below this package imports it.
+"""
+
+from opake.torch.optimizer import DPOptimizer, PlanExhaustedError
+from opake.torch.private import PrivacyPlan, PrivateTraining, make_private, strategy_for_optimizer
+from opake.torch.validation import ModelValidationError, fix_model, validate_model
+
+__all__ = [
+    "DPOptimizer",
+    "ModelValidationError",
+    "PlanExhaustedError",
+    "PrivacyPlan",
+    "PrivateTraining",
+    "fix_model",
+    "make_private",
+    "strategy_for_optimizer",
+    "validate_model",
+]

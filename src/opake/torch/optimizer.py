@@ -1,0 +1,121 @@
+"""``DPOptimizer``: any ``torch.optim`` optimizer, stepping on clipped sums plus correlated noise.
+
+The user's loop does not change: ``optimizer.zero_grad(); loss.backward(); optimizer.step()``.
+During ``backward`` the per-example clipper (``opake.torch.per_example``) records what it needs;
+``step()`` asks it for the sum of the clipped per-example gradients, divides by the run's
+constant normalization (the sampler's expected batch size, never the realized one), adds
+the mechanism's noise through the noise engine (``mf_gaussian_noise``: one streaming step of
+sigma * C * C^{-1} z), writes the noised gradients into the parameters' ``.grad`` and calls
+the wrapped optimizer's ``step``. Several ``backward`` calls before one ``step`` form one
+logical batch (virtual batches / microbatching: each example is clipped on its own, the sums
+add up). Frozen parameters (``requires_grad=False``) get no noise and take no noise state.
+
+The wrapper shares ``param_groups``, ``state`` and ``defaults`` with the wrapped optimizer, so
+learning-rate schedulers built on either object drive the same learning rates, and the
+optimizer's ``state_dict`` is the wrapped one's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from opake.types import clipped
+
+__all__ = ["DPOptimizer", "PlanExhaustedError"]
+
+
+class PlanExhaustedError(RuntimeError):
+    """``step()`` was called after every step the privacy plan priced."""
+
+
+class DPOptimizer(torch.optim.Optimizer):
+    """Wraps ``optimizer``; ``step()`` replaces the gradients by clipped sums plus noise first.
+
+    Built by ``make_private``; ``noise_fn`` / ``noise_state`` are the noise engine's pair,
+    ``clipper`` the per-example clipper of the module, ``parameters`` the trainable parameters
+    by name (the engine's template), ``normalization`` the constant divisor of the clipped sum.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, *, clipper, noise_fn, noise_state, parameters: dict,
+                 max_grad_norm: float, normalization: float):
+        # Not Optimizer.__init__: the wrapped optimizer owns the groups and the state.
+        self.original_optimizer = optimizer
+        self.clipper = clipper
+        self.noise_fn = noise_fn
+        self.noise_state = noise_state
+        self.parameters = parameters
+        self.max_grad_norm = float(max_grad_norm)
+        self.normalization = float(normalization)
+        self.last_step_examples = 0
+
+    # -- what torch.optim users and schedulers read ------------------------------------------
+
+    @property
+    def param_groups(self):
+        return self.original_optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value):
+        self.original_optimizer.param_groups = value
+
+    @property
+    def state(self):
+        return self.original_optimizer.state
+
+    @property
+    def defaults(self):
+        return self.original_optimizer.defaults
+
+    def state_dict(self):
+        return self.original_optimizer.state_dict()
+
+    def load_state_dict(self, state_dict):
+        self.original_optimizer.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group):
+        raise RuntimeError(
+            "a private optimizer's parameters are fixed by its privacy plan (the noise engine holds "
+            "buffers for exactly those parameters); build the optimizer with every parameter group "
+            "before calling make_private"
+        )
+
+    def __repr__(self) -> str:
+        return f"DPOptimizer({self.original_optimizer!r})"
+
+    # -- the step -------------------------------------------------------------------------------
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the wrapped optimizer's gradients and start a new logical batch."""
+        self.original_optimizer.zero_grad(set_to_none=set_to_none)
+        self.clipper.reset()
+
+    @property
+    def steps_taken(self) -> int:
+        return self.noise_state.step
+
+    @property
+    def steps_planned(self) -> int:
+        return self.noise_state.n_steps
+
+    def step(self, closure=None):
+        """Noise the clipped sum of the examples since ``zero_grad`` and take the optimizer step."""
+        if closure is not None:
+            raise TypeError(
+                "DPOptimizer.step does not take a closure: a closure re-evaluates the loss, which "
+                "would release gradients without noise; call loss.backward() before step()"
+            )
+        if self.noise_state.step >= self.noise_state.n_steps:
+            raise PlanExhaustedError(
+                f"the privacy plan priced {self.noise_state.n_steps} steps and all of them were taken; "
+                f"a further step would release gradients the reported epsilon does not cover. Plan "
+                f"more steps (make_private(..., epochs=...)) for a longer run"
+            )
+        sums = self.clipper.clipped_sum()
+        self.last_step_examples = self.clipper.examples
+        gradients = clipped({name: sums[name] / self.normalization for name in self.parameters},
+                            l2_bound=self.max_grad_norm, normalization=self.normalization)
+        noisy, self.noise_state = self.noise_fn(gradients, self.noise_state)
+        for name, parameter in self.parameters.items():
+            parameter.grad = noisy.pytree[name]
+        self.clipper.reset()
+        return self.original_optimizer.step()

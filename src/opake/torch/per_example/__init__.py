@@ -1,0 +1,66 @@
+"""Per-example gradient clipping in ordinary PyTorch backward passes (hooks, book-keeping).
+
+    clipper = PerExampleClipper(model, max_grad_norm=1.0, loss_reduction="mean")
+    loss = F.cross_entropy(model(x), y)      # the ordinary loss over the batch
+    loss.backward()
+    sums = clipper.clipped_sum()             # name -> sum_i min(1, C / ||g_i||) g_i
+    clipper.reset()                          # next logical batch
+
+The hot path, and its memory. During the forward pass every hooked layer (a layer that holds
+trainable parameters directly) keeps a reference to its input: the tensor autograd keeps for
+its own backward anyway, so this costs no copy. During the backward pass a hook on the layer's
+output keeps the gradient of that output (B x the output's size, the one new allocation per
+layer, the same size as the activations). When the last hooked output of the pass has its
+gradient, two passes run over what was kept, and it is freed:
+
+1. norms: per parameter, the (B,) squared norms of the examples' gradients. Linear, Conv1d/2d
+   and Embedding use ghost norms (Li et al. 2022): a Linear weight over T positions costs two
+   T x T Gram matrices per example instead of its in x out gradient, chosen when
+   T^2 < in x out (otherwise the gradient is formed for a chunk of examples, at most 2^24
+   elements at a time, and reduced). LayerNorm and GroupNorm gradients (B x channels) are
+   formed outright; any other layer with parameters is replayed per example with
+   ``torch.func.vmap`` (B x that layer's parameter count). Each stored byte is read once here.
+2. sums: factors ``c_i = min(1, C / ||g_i||)`` (float64), and per parameter one contraction of
+   the stored tensors with them (Linear: ``(c * G)^T A``, one matmul). Each stored byte is read
+   once more.
+
+This is book-keeping (Bu et al. 2023): no second backward through the model, and no B x d
+per-example gradients for the ghost layers. The alternative, one ``vmap(grad)`` over the model
+(``opake.dpftrl.clipping``), holds B x d per-example gradients at once and runs a per-example
+backward of every layer.
+
+Tied parameters (one Parameter held by two layers, e.g. tied input and output embeddings) and
+layers called more than once in a forward pass get each example's gradient as the sum over the
+calls, so their norm needs the gradient itself: for those parameters only, the per-example
+gradients (B x numel) are formed, summed over the calls, and kept until the sum pass.
+
+Requirements the hooks cannot check: the batch is dimension 0 of every hooked layer's input and
+output (checked against the model's first input where sizes differ), the loss is a sum or mean
+over examples of per-example losses, and a trainable parameter is only used inside the forward
+of a layer holding it (a parameter used directly in a parent's forward, as in
+``h @ self.embedding.weight.T``, escapes the hooks: hold it in a layer, e.g. a Linear whose
+weight is the tied Parameter). Dropout in its own nn.Dropout layer just works.
+
+Half precision: the norms and the clipped sums of bfloat16/float16 parameters are formed and
+returned in float32, for the reason given in ``opake.dpftrl.clipping``: a half-precision sum of
+many clipped gradients rounds by more than one example's contribution.
+
+Several backward passes before :meth:`PerExampleClipper.clipped_sum` (virtual batches) are each
+clipped on their own examples and summed; ``examples`` counts them all.
+"""
+
+from opake.torch.per_example.clipper import PerExampleClipper
+from opake.torch.per_example.errors import (
+    BatchDimensionError,
+    ClipperUsageError,
+    NonFiniteGradientError,
+    UnsupportedModuleError,
+)
+
+__all__ = [
+    "BatchDimensionError",
+    "ClipperUsageError",
+    "NonFiniteGradientError",
+    "PerExampleClipper",
+    "UnsupportedModuleError",
+]

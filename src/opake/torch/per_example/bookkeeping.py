@@ -1,0 +1,165 @@
+"""The two passes that clip one forward pass's examples, once all its gradients are in.
+
+Pass 1 (norms): every hooked call contributes, per parameter, the (B,) squared norms of its
+per-example gradients: a ghost norm from the stored input and output gradient, or the squares of
+a materialized per-example gradient for small layers, the torch.func fallback and shared
+parameters (whose gradient is a sum over the layers holding them). Norms are reduced in float32
+(float64 for float64 layers); a parameter whose squares overflow is recomputed in float64 from
+the same stored tensors, and one that is still not finite raises.
+
+Between the passes: ``norm_i = sqrt(sum over parameters) * s`` with ``s`` the batch size for
+``loss_reduction="mean"`` (the backward of a mean hands every layer ``G_i / B``) and 1 for
+``"sum"``; ``c_i = min(1, C / norm_i)`` in float64, exactly 1 at or below the bound (a zero
+gradient is never divided by).
+
+Pass 2 (sum): every rule is linear in the output gradient, so the clipped sum of a parameter is
+its rule's contraction with weights ``c_i * s`` (for Linear, ``(c * G)^T A``); a materialized
+per-example gradient is reduced with one matrix-vector product.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from opake.torch.per_example.errors import BatchDimensionError, NonFiniteGradientError
+from opake.torch.per_example.model import HookedLayer, describe
+from opake.torch.per_example.rules.base import squared_frobenius
+
+
+@dataclass(eq=False)
+class LayerCall:
+    """One forward call of a hooked layer: what its rule stored and its output gradients."""
+
+    layer: HookedLayer
+    stored: object
+    grads: list = field(default_factory=list)  # per tensor leaf of the output; None until it arrives
+
+    @property
+    def received(self) -> bool:
+        return any(grad is not None for grad in self.grads)
+
+    @property
+    def batch_size(self) -> int:
+        return next(grad.shape[0] for grad in self.grads if grad is not None)
+
+
+@dataclass(frozen=True)
+class ClippedPass:
+    sums: dict  # model-wide parameter name -> clipped sum over this pass's examples
+    examples: int
+    clipped_examples: int
+
+
+def sum_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Norms and sums of half-precision layers are formed in float32 (see the package docstring)."""
+    return dtype if dtype in (torch.float32, torch.float64) else torch.float32
+
+
+def _layer_dtype(layer: HookedLayer) -> torch.dtype:
+    return sum_dtype(layer.module.get_parameter(layer.local_names[0]).dtype)
+
+
+def _factor_dtype(device: torch.device) -> torch.dtype:
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
+def _common_batch_size(calls: list[LayerCall], expected: int | None) -> int:
+    reference_path, batch = (None, expected) if expected is not None else (calls[0].layer.path, calls[0].batch_size)
+    for call in calls:
+        if call.batch_size != batch:
+            source = "the model's input" if reference_path is None else f"the layer at {describe(reference_path)}"
+            raise BatchDimensionError(
+                f"the layer at {describe(call.layer.path)} saw a leading dimension of {call.batch_size}, but "
+                f"{source} has batch size {batch}; per-example clipping needs the batch on dimension 0 of "
+                f"every layer's input and output (use batch_first=True layers, and do not fold the batch "
+                f"into another dimension, e.g. (B, T, d) into (B*T, d), before a layer with parameters)"
+            )
+    return batch
+
+
+def _nonfinite(name: str, layer: HookedLayer, squares: torch.Tensor, batch: int) -> NonFiniteGradientError:
+    bad = torch.nonzero(~torch.isfinite(squares)).flatten().tolist()
+    return NonFiniteGradientError(
+        f"the per-example gradient of parameter {name!r} (layer at {describe(layer.path)}) is not finite "
+        f"for example {bad[0]} of this backward pass's {batch} ({len(bad)} such examples). Find the cause "
+        f"(learning rate, the loss on that input); this pass was dropped, call reset() to restart the batch"
+    )
+
+
+def clip_forward_pass(
+    calls: list[LayerCall], *, max_grad_norm: float, mean: bool, shared: frozenset, batch_size: int | None
+) -> ClippedPass:
+    """Clip each example of one forward pass to ``max_grad_norm`` and sum, per parameter."""
+    calls = [call for call in calls if call.received]
+    if not calls:
+        return ClippedPass({}, 0, 0)
+    batch = _common_batch_size(calls, batch_size)
+    if batch == 0:
+        return ClippedPass({}, 0, 0)
+    owners: dict[str, int] = {}
+    for call in calls:
+        for name in call.layer.global_names:
+            owners[name] = owners.get(name, 0) + 1
+    # A layer called twice in one pass (a reused block) also shares its parameters across calls.
+    dense_names = {name for name, count in owners.items() if count > 1} | set(shared)
+    for call in calls:
+        if not call.layer.rule.ghost:
+            dense_names.update(call.layer.global_names)
+
+    device = next(grad for grad in calls[0].grads if grad is not None).device
+    factor_dtype = _factor_dtype(device)
+    squared: dict[str, torch.Tensor] = {}
+    per_example: dict[str, torch.Tensor] = {}
+    for call in calls:
+        layer, dtype = call.layer, _layer_dtype(call.layer)
+        pairs = list(zip(layer.local_names, layer.global_names))
+        ghost = [local for local, name in pairs if name not in dense_names]
+        dense = [local for local, name in pairs if name in dense_names]
+        if ghost:
+            squares = layer.rule.squared_norms(layer.module, call.stored, call.grads, ghost, dtype)
+            overflowed = [local for local in ghost if not bool(torch.isfinite(squares[local]).all())]
+            if overflowed and dtype != torch.float64:
+                recomputed = layer.rule.squared_norms(layer.module, call.stored, call.grads, overflowed, torch.float64)
+                squares.update(recomputed)
+            for local, name in pairs:
+                if local in ghost:
+                    if not bool(torch.isfinite(squares[local]).all()):
+                        raise _nonfinite(name, layer, squares[local], batch)
+                    squared[name] = squares[local].to(device=device, dtype=factor_dtype)
+        if dense:
+            grads = layer.rule.per_example_grads(layer.module, call.stored, call.grads, dense, dtype)
+            for local, name in pairs:
+                if local in dense:
+                    part = grads[local]
+                    per_example[name] = part if name not in per_example else per_example[name] + part
+    for name, grads in per_example.items():
+        squares = squared_frobenius(grads)
+        if not bool(torch.isfinite(squares).all()):
+            squares = squared_frobenius(grads.to(torch.float64))
+            if not bool(torch.isfinite(squares).all()):
+                owner = next(call.layer for call in calls if name in call.layer.global_names)
+                raise _nonfinite(name, owner, squares, batch)
+        squared[name] = squares.to(device=device, dtype=factor_dtype)
+
+    scale = float(batch) if mean else 1.0
+    norms = torch.sqrt(torch.stack(list(squared.values())).sum(dim=0)) * scale
+    clipped = norms > max_grad_norm
+    factors = torch.where(clipped, max_grad_norm / torch.where(clipped, norms, 1.0), 1.0)
+    weights = factors * scale
+
+    sums: dict[str, torch.Tensor] = {}
+    for call in calls:
+        layer, dtype = call.layer, _layer_dtype(call.layer)
+        ghost = [local for local, name in zip(layer.local_names, layer.global_names) if name not in dense_names]
+        if not ghost:
+            continue
+        parts = layer.rule.clipped_sums(layer.module, call.stored, call.grads, ghost, weights.to(dtype), dtype)
+        for local, name in zip(layer.local_names, layer.global_names):
+            if local in ghost:
+                sums[name] = parts[local]
+    for name, grads in per_example.items():
+        flat = grads.reshape(batch, -1)
+        sums[name] = torch.mv(flat.t(), weights.to(device=flat.device, dtype=flat.dtype)).reshape(grads.shape[1:])
+    return ClippedPass(sums, batch, int(clipped.sum()))

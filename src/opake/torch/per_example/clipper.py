@@ -1,0 +1,222 @@
+"""PerExampleClipper: hooks that record each layer call, and the state between backward passes.
+
+Each call of the wrapped model is one forward pass with its own examples. Its hooked layers'
+calls are collected in a ``_ForwardPass``; every tensor output that needs a gradient counts as
+one pending gradient. When the last one arrives (during ``backward``) the pass is clipped at
+once (``bookkeeping.clip_forward_pass``) and its stored tensors are freed. A pass whose outputs
+were not all used by the loss never completes by count; it is clipped at the next call of the
+model, or in ``clipped_sum()``. Passes never mix: two forward passes followed by one backward
+of the sum of their losses are clipped as two sets of examples.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import partial
+
+import optree
+import torch
+from torch import nn
+
+from opake._checks import positive_finite
+from opake.torch.per_example.bookkeeping import ClippedPass, LayerCall, clip_forward_pass, sum_dtype
+from opake.torch.per_example.errors import ClipperUsageError, UnsupportedModuleError
+from opake.torch.per_example.model import HookedLayer, describe, plan_model
+
+LOSS_REDUCTIONS = ("mean", "sum")
+
+
+@dataclass(eq=False)
+class _ForwardPass:
+    batch_size: int | None  # dimension 0 of the model's first tensor input, when it has one
+    calls: list[LayerCall] = field(default_factory=list)
+    pending: int = 0
+
+
+def _first_tensor(args, kwargs) -> torch.Tensor | None:
+    for leaf in optree.tree_leaves((args, kwargs)):
+        if isinstance(leaf, torch.Tensor):
+            return leaf
+    return None
+
+
+class PerExampleClipper:
+    """Clip every example's gradient to ``max_grad_norm`` during ordinary ``loss.backward()`` calls.
+
+    Args:
+      module: the model. Its trainable parameters (``requires_grad=True`` at construction) are
+        clipped together; frozen ones get no hooks and are not in the result.
+      max_grad_norm: the bound C (> 0, finite) on each example's gradient norm over all
+        trainable parameters together.
+      loss_reduction: ``"mean"`` when the loss is the mean of the examples' losses over the
+        batch dimension (the gradients are rescaled by the batch size to get each example's own
+        gradient), ``"sum"`` when it is their sum.
+
+    After one or more ``loss.backward()`` calls, :meth:`clipped_sum` returns, per parameter
+    name, the sum over all examples so far of ``min(1, C / ||g_i||) g_i``.
+    """
+
+    def __init__(self, module: nn.Module, max_grad_norm: float, loss_reduction: str = "mean"):
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+        self.max_grad_norm = positive_finite("max_grad_norm", max_grad_norm)
+        if loss_reduction not in LOSS_REDUCTIONS:
+            raise ValueError(
+                f"loss_reduction must be one of {LOSS_REDUCTIONS} (how the loss combines the examples' "
+                f"losses over the batch dimension), got {loss_reduction!r}"
+            )
+        self.loss_reduction = loss_reduction
+        self._plan = plan_model(module)
+        if not self._plan.trainable:
+            raise ValueError("the module has no trainable parameters (requires_grad=True); nothing to clip")
+        self._module = module
+        self._handles = []
+        self._current: _ForwardPass | None = None
+        self._open: list[_ForwardPass] = []
+        self._folding = False
+        self.reset()
+        self._handles.append(module.register_forward_pre_hook(self._begin_pass, with_kwargs=True))
+        for layer in self._plan.layers:
+            self._handles.append(
+                layer.module.register_forward_hook(partial(self._record_call, layer), with_kwargs=True)
+            )
+        for path, batch_norm in self._plan.inference_batch_norms:
+            self._handles.append(batch_norm.register_forward_pre_hook(partial(self._guard_batch_norm, path)))
+        # Registered last, so it runs after the top-level layer's own hook when the model is a layer.
+        self._handles.append(module.register_forward_hook(self._end_pass, always_call=True))
+
+    @property
+    def examples(self) -> int:
+        """Examples clipped and summed since the last reset."""
+        return self._examples
+
+    @property
+    def clipped_examples(self) -> int:
+        """Of those, the examples whose gradient norm exceeded max_grad_norm."""
+        return self._clipped_examples
+
+    def clipped_sum(self) -> dict[str, torch.Tensor]:
+        """Per trainable parameter name: the sum of the clipped per-example gradients so far.
+
+        Parameters not reached by any backward pass get zeros. Tensors have the parameter's
+        shape and device and dtype, except float32 for bfloat16/float16 parameters. They are
+        new tensors: the clipper keeps no reference to them.
+        """
+        self._close_passes(only_received=False)
+        if not self._passes:
+            raise ClipperUsageError(
+                "clipped_sum() was called before any backward pass since the clipper was built or reset; "
+                "run the model and loss.backward() first"
+            )
+        result = {}
+        for name, param in self._plan.trainable.items():
+            total = self._sums.get(name)
+            result[name] = (
+                total.clone() if total is not None else torch.zeros_like(param, dtype=sum_dtype(param.dtype))
+            )
+        return result
+
+    def reset(self) -> None:
+        """Forget all stored tensors and sums: start a new logical batch."""
+        self._open = []
+        self._sums: dict[str, torch.Tensor] = {}
+        self._examples = 0
+        self._clipped_examples = 0
+        self._passes = 0
+
+    def remove(self) -> None:
+        """Detach every hook from the model and drop all state."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self.reset()
+
+    # Hooks -------------------------------------------------------------------------------
+
+    def _begin_pass(self, module, args, kwargs):
+        if self._current is not None:
+            return  # the model calling itself recursively stays in one pass
+        self._close_passes(only_received=True)
+        first = _first_tensor(args, kwargs)
+        batch = first.shape[0] if first is not None and first.dim() > 0 else None
+        self._current = _ForwardPass(batch_size=batch)
+        self._open.append(self._current)
+
+    def _end_pass(self, module, args, output):
+        current, self._current = self._current, None
+        if current is not None and not current.calls:
+            self._open.remove(current)
+
+    def _record_call(self, layer: HookedLayer, module, args, kwargs, output):
+        if self._folding or not torch.is_grad_enabled():
+            return  # the fallback's per-example replay runs layers again: not a new call
+        leaves = optree.tree_leaves(output)
+        needing = [
+            index for index, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and leaf.requires_grad
+        ]
+        if not needing:
+            return
+        if self._current is None:
+            raise ClipperUsageError(
+                f"the layer at {describe(layer.path)} ran outside a call of the model the clipper was built on; "
+                f"call that model (or build the clipper on the module you call)"
+            )
+        call = LayerCall(layer, layer.rule.store(module, args, kwargs, layer.local_names), [None] * len(leaves))
+        forward_pass = self._current
+        forward_pass.calls.append(call)
+        forward_pass.pending += len(needing)
+        for index in needing:
+            leaves[index].register_hook(partial(self._receive_grad, forward_pass, call, index))
+
+    def _receive_grad(self, forward_pass: _ForwardPass, call: LayerCall, index: int, grad: torch.Tensor):
+        if forward_pass not in self._open:
+            raise ClipperUsageError(
+                f"a second backward pass reached the layer at {describe(call.layer.path)} through a forward "
+                f"pass that was already clipped (or reset); run the model again for each backward pass"
+            )
+        call.grads[index] = grad.detach()
+        forward_pass.pending -= 1
+        if forward_pass.pending == 0 and forward_pass is not self._current:
+            self._open.remove(forward_pass)
+            self._fold(forward_pass)
+
+    def _guard_batch_norm(self, path, module, args):
+        if module.training:
+            raise UnsupportedModuleError(
+                f"the {type(module).__name__} at {describe(path)} was put in training mode after the clipper "
+                f"was built; in training mode it mixes examples. Replace it with nn.GroupNorm"
+            )
+
+    # Folding -------------------------------------------------------------------------------
+
+    def _close_passes(self, only_received: bool) -> None:
+        """Clip the open passes that got gradients; with ``only_received=False`` drop the others."""
+        keep = []
+        for forward_pass in self._open:
+            if forward_pass is self._current:
+                keep.append(forward_pass)
+            elif any(call.received for call in forward_pass.calls):
+                self._fold(forward_pass)
+            elif only_received:
+                keep.append(forward_pass)
+        self._open = keep
+
+    def _fold(self, forward_pass: _ForwardPass) -> None:
+        calls, forward_pass.calls = forward_pass.calls, []  # stored tensors are freed on return
+        self._folding = True
+        try:
+            clipped: ClippedPass = clip_forward_pass(
+                calls,
+                max_grad_norm=self.max_grad_norm,
+                mean=self.loss_reduction == "mean",
+                shared=self._plan.shared,
+                batch_size=forward_pass.batch_size,
+            )
+        finally:
+            self._folding = False
+        for name, part in clipped.sums.items():
+            previous = self._sums.get(name)
+            self._sums[name] = part if previous is None else previous + part
+        self._examples += clipped.examples
+        self._clipped_examples += clipped.clipped_examples
+        self._passes += 1

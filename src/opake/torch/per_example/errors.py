@@ -1,0 +1,19 @@
+"""Errors of the per-example clipper, each a subclass of the builtin its caller expects."""
+
+from __future__ import annotations
+
+from opake.dpftrl.clipping import NonFiniteGradientError
+
+__all__ = ["BatchDimensionError", "ClipperUsageError", "NonFiniteGradientError", "UnsupportedModuleError"]
+
+
+class UnsupportedModuleError(ValueError):
+    """A module of the model cannot be clipped per example (it mixes examples, or no rule fits)."""
+
+
+class ClipperUsageError(RuntimeError):
+    """The clipper was used out of order (no backward pass, a layer called outside the model)."""
+
+
+class BatchDimensionError(RuntimeError):
+    """A hooked layer saw a leading dimension other than the batch size of the forward pass."""

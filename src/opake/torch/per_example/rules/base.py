@@ -1,0 +1,63 @@
+"""What a per-layer rule is, and the shapes every rule agrees on.
+
+A rule turns what one forward/backward call of a layer left behind (its stored input and the
+gradients of its outputs) into per-example quantities for some of that layer's parameters.
+Every rule is linear in the output gradients, which is what lets the clipper fold the
+``loss_reduction="mean"`` rescaling and the clipping factors into plain weights per example.
+
+Shapes: ``batch`` is the leading dimension of every stored input and every output gradient.
+``names`` are the layer's own parameter names (``"weight"``, ``"out_proj.bias"``), never the
+model-wide ones. ``dtype`` is the dtype the rule computes and returns in (float32 for
+half-precision layers, float64 when the clipper recomputes after an overflow).
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+from torch import nn
+
+# Temporaries (Gram matrices, per-example gradients of a chunk of examples) are kept below this
+# many elements (64 MiB in float32), so a rule's working memory does not grow with the batch.
+CHUNK_ELEMENTS = 2**24
+
+
+class LayerRule:
+    """Per-example gradients of one layer family; one stateless instance per family.
+
+    ``ghost`` rules compute squared norms and the weighted sum without holding per-example
+    gradients (``squared_norms`` and ``clipped_sums``); every rule can materialize them
+    (``per_example_grads``), which the clipper uses for shared parameters and for rules whose
+    per-example gradients are small anyway.
+    """
+
+    ghost = False
+
+    def check(self, module: nn.Module, path: str) -> None:
+        """Raise UnsupportedModuleError when this module's configuration mixes examples."""
+
+    def store(self, module: nn.Module, args: tuple, kwargs: dict, names: tuple[str, ...]):
+        """What to keep from the forward call (detached); by default the first input."""
+        return args[0].detach()
+
+    def squared_norms(self, module, stored, grads, names, dtype) -> dict[str, torch.Tensor]:
+        raise NotImplementedError(f"{type(self).__name__} has no ghost norms")
+
+    def clipped_sums(self, module, stored, grads, names, weights, dtype) -> dict[str, torch.Tensor]:
+        raise NotImplementedError(f"{type(self).__name__} has no ghost sums")
+
+    def per_example_grads(self, module, stored, grads, names, dtype) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+
+def example_chunks(batch: int, elements_per_example: int) -> Iterator[slice]:
+    """Slices of the batch whose temporaries hold at most ``CHUNK_ELEMENTS`` elements (>= 1 example)."""
+    step = max(1, CHUNK_ELEMENTS // max(1, elements_per_example))
+    for start in range(0, batch, step):
+        yield slice(start, min(batch, start + step))
+
+
+def squared_frobenius(per_example: torch.Tensor) -> torch.Tensor:
+    """(B,) sums of squares of a (B, ...) tensor."""
+    return per_example.reshape(per_example.shape[0], -1).pow(2).sum(dim=1)

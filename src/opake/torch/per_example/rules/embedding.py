@@ -1,0 +1,70 @@
+"""nn.Embedding: norms from the token-equality mask, the clipped sum by index_add.
+
+Example i looks up tokens ``x_i[t]`` and gets output gradients ``G_i[t]`` (T x dim). Its weight
+gradient has row v equal to the sum of ``G_i[t]`` over the positions holding token v (positions
+holding ``padding_idx`` contribute nothing, as in the layer's own backward), so
+
+    ||grad_i||^2 = sum_{t,s} [x_i[t] == x_i[s] != padding_idx] * (G_i[t] . G_i[s])
+
+which needs a T x T mask and Gram matrix per example (formed a chunk of examples at a time),
+never the vocab x dim gradient. The clipped sum scatters ``c_i * G_i[t]`` into one vocab x dim
+tensor with ``index_add_``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from opake.torch.per_example.errors import UnsupportedModuleError
+from opake.torch.per_example.rules.base import LayerRule, example_chunks
+
+
+def _tokens_and_rows(module, stored, grad, dtype):
+    tokens = stored.reshape(stored.shape[0], -1)
+    rows = grad.to(dtype).reshape(grad.shape[0], -1, grad.shape[-1])
+    if module.padding_idx is None:
+        counted = torch.ones_like(tokens, dtype=torch.bool)
+    else:
+        counted = tokens != module.padding_idx
+    return tokens, rows, counted
+
+
+class EmbeddingRule(LayerRule):
+    ghost = True
+
+    def check(self, module, path):
+        if module.scale_grad_by_freq:
+            raise UnsupportedModuleError(
+                f"the Embedding at {path!r} has scale_grad_by_freq=True, which divides each gradient by "
+                f"token counts over the whole batch and so mixes examples; set scale_grad_by_freq=False"
+            )
+
+    def squared_norms(self, module, stored, grads, names, dtype):
+        tokens, rows, counted = _tokens_and_rows(module, stored, grads[0], dtype)
+        batch, length = tokens.shape
+        parts = []
+        for chunk in example_chunks(batch, 2 * length * length):
+            same = tokens[chunk, :, None] == tokens[chunk, None, :]
+            same &= counted[chunk, :, None] & counted[chunk, None, :]
+            gram = torch.bmm(rows[chunk], rows[chunk].transpose(1, 2))
+            parts.append((gram * same).sum(dim=(1, 2)))
+        return {"weight": torch.cat(parts) if parts else rows.new_zeros(0)}
+
+    def clipped_sums(self, module, stored, grads, names, weights, dtype):
+        tokens, rows, counted = _tokens_and_rows(module, stored, grads[0], dtype)
+        scaled = rows * weights[:, None, None]
+        total = torch.zeros(module.num_embeddings, module.embedding_dim, dtype=dtype, device=rows.device)
+        total.index_add_(0, tokens[counted], scaled[counted])
+        return {"weight": total}
+
+    def per_example_grads(self, module, stored, grads, names, dtype):
+        tokens, rows, counted = _tokens_and_rows(module, stored, grads[0], dtype)
+        batch = tokens.shape[0]
+        vocabulary = module.num_embeddings
+        flat = torch.zeros(batch * vocabulary, module.embedding_dim, dtype=dtype, device=rows.device)
+        offsets = torch.arange(batch, device=tokens.device)[:, None] * vocabulary
+        flat.index_add_(0, (tokens + offsets)[counted], rows[counted])
+        return {"weight": flat.reshape(batch, vocabulary, module.embedding_dim)}
+
+
+RULE = EmbeddingRule()

@@ -1,0 +1,324 @@
+"""``make_private``: private training with correlated noise on standard PyTorch objects.
+
+One call plans the run and returns the objects the user's loop already uses::
+
+    private = make_private(module=model, optimizer=optimizer, dataset=train_ds, batch_size=64,
+                           epochs=5, target_epsilon=3.0, target_delta=1e-5, max_grad_norm=1.0)
+    model, optimizer, loader = private.module, private.optimizer, private.data_loader
+    for x, y in loader:
+        optimizer.zero_grad(); F.cross_entropy(model(x), y).backward(); optimizer.step()
+    private.epsilon                       # the whole planned run's guarantee
+    torch.save(private.state_dict(), path)
+
+The plan, in order (each piece is one of opake's layers, used as documented there):
+
+1. **Sampler.** Balls in bins (``BallsInBinsSampler``): every example in one of
+   ``num_bins = len(dataset) // batch_size`` random bins, bins served cyclically, so an
+   epoch is ``num_bins`` steps, every example appears once per epoch, ``num_bins`` steps apart:
+   participation ``(n_steps = epochs * num_bins, min_sep = num_bins, max_participations =
+   epochs)``. Add/remove adjacency: one more example moves no other; batch sizes vary around
+   ``batch_size`` (SECURITY.md). The dataset size is treated as public (it fixes ``num_bins``),
+   as in Opacus.
+2. **Strategy**: by default the BLT optimized for the optimizer's own workload
+   (``strategy_for_optimizer``: torch SGD's momentum, dampening and LR schedule; prefix sums
+   for Adam-type optimizers), resolved for that participation.
+3. **Noise multiplier**: calibrated to ``(target_epsilon, target_delta)`` by
+   ``opake.accounting.calibrate`` over the rigorous ``balls_in_bins`` accountant, or given
+   (``noise_multiplier=``), in which case ``epsilon`` is computed at ``target_delta``.
+4. **Clipping** per example during ``backward`` (``opake.torch.per_example``), summed and
+   divided by the constant expected batch size ``len(dataset) / num_bins``.
+5. **Noise** in ``optimizer.step()`` (``DPOptimizer`` over ``mf_gaussian_noise``), checked
+   against the accountant before training (``check_accounted_by``); a step past the plan
+   raises ``PlanExhaustedError``.
+
+Randomness: ``key`` (an ``opake.random.RngKey``) seeds the sampler and the noise; without one,
+a 128-bit key is drawn from the operating system (``secrets``), as SECURITY.md recommends for
+published runs, and kept in ``state_dict()`` so that a resumed run continues the same bins.
+"""
+
+from __future__ import annotations
+
+import copy
+import numbers
+import secrets
+import warnings
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+import opake.accounting as acc
+import opake.dpftrl.accounting as dpftrl_acc
+from opake._checks import positive_finite
+from opake.dpftrl.noise import blt_strategy, mf_gaussian_noise
+from opake.dpftrl.participation import Participation
+from opake.dpftrl.sampling import BallsInBinsSampler
+from opake.random import RngKey, key as make_key
+from opake.torch.optimizer import DPOptimizer
+from opake.torch.per_example import PerExampleClipper
+from opake.torch.validation import require_valid_model, trainable_parameters
+
+__all__ = ["PrivacyPlan", "PrivateTraining", "make_private", "strategy_for_optimizer"]
+
+_FORMAT = "opake.torch.PrivateTraining"
+_VERSION = 1
+_SIGMA_RANGE = (1e-3, 1e4)
+
+
+@dataclass(frozen=True)
+class PrivacyPlan:
+    """What ``make_private`` decided, before any step (all of it is public information)."""
+
+    participation: Participation
+    num_bins: int
+    expected_batch_size: float
+    strategy: object
+    noise_multiplier: float
+    epsilon: float
+    delta: float
+    max_grad_norm: float
+    accountant: object
+
+
+class PrivateTraining:
+    """The result of ``make_private``: ``module``, ``optimizer``, ``data_loader`` and the plan.
+
+    ``module`` is the caller's module itself (its ``state_dict`` loads into an unwrapped copy);
+    ``optimizer`` is a ``DPOptimizer`` around the caller's optimizer; ``data_loader`` serves the
+    planned batches (from the next untaken step after ``load_state_dict``).
+    """
+
+    def __init__(self, module, optimizer: DPOptimizer, dataset, sampler: BallsInBinsSampler, plan: PrivacyPlan,
+                 root_key: RngKey, loader_options: dict):
+        self.module = module
+        self.optimizer = optimizer
+        self.plan = plan
+        self._dataset = dataset
+        self._sampler = sampler
+        self._root_key = root_key
+        self._loader_options = loader_options
+        self.data_loader = sampler.data_loader(dataset, plan.participation.n_steps, **loader_options)
+
+    @property
+    def epsilon(self) -> float:
+        """The epsilon of the whole planned run at ``delta`` (add/remove adjacency)."""
+        return self.plan.epsilon
+
+    @property
+    def delta(self) -> float:
+        return self.plan.delta
+
+    @property
+    def noise_multiplier(self) -> float:
+        return self.plan.noise_multiplier
+
+    @property
+    def steps_taken(self) -> int:
+        return self.optimizer.steps_taken
+
+    def state_dict(self) -> dict:
+        """Model, optimizer, noise state, step and key: ``torch.save`` it, load with weights_only=True."""
+        return {
+            "format": _FORMAT,
+            "version": _VERSION,
+            "key": self._root_key.hex(),
+            "plan": {"n_steps": self.plan.participation.n_steps, "num_bins": self.plan.num_bins,
+                     "noise_multiplier": self.plan.noise_multiplier, "max_grad_norm": self.plan.max_grad_norm},
+            "module": self.module.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "noise": self.optimizer.noise_state.state_dict(),
+        }
+
+    def load_state_dict(self, state_dict: dict, *, draws: str | None = None, fresh_key: RngKey | None = None) -> None:
+        """Restore a run saved by ``state_dict()`` into this (identically planned) run.
+
+        ``draws="replay"`` or ``fresh_key=k`` is required: the noise of the steps after the
+        checkpoint may already have been released (see ``NoiseState.load_state_dict`` and
+        SECURITY.md, "Replaying or redrawing noise"). The data loader restarts at the next step.
+        """
+        if not isinstance(state_dict, dict) or state_dict.get("format") != _FORMAT:
+            raise ValueError("not a checkpoint of make_private's run: expected PrivateTraining.state_dict()")
+        if state_dict.get("version") != _VERSION:
+            raise ValueError(f"checkpoint version {state_dict.get('version')!r} is not supported (reads {_VERSION})")
+        mine = self.state_dict()
+        if state_dict["key"] != mine["key"] or state_dict["plan"] != mine["plan"]:
+            raise ValueError(
+                "this checkpoint belongs to another plan or key (different bins, horizon or noise); build "
+                "the run with the same make_private arguments and key=opake.random.RngKey.from_hex(saved['key'])"
+            )
+        noise_state = self.optimizer.noise_state.load_state_dict(state_dict["noise"], draws=draws, fresh_key=fresh_key)
+        self.module.load_state_dict(state_dict["module"])
+        self.optimizer.load_state_dict(state_dict["optimizer"])
+        self.optimizer.noise_state = noise_state
+        self.data_loader = self._sampler.data_loader(self._dataset, self.plan.participation.n_steps,
+                                                     start_step=noise_state.step, **self._loader_options)
+
+
+def make_private(
+    *,
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    dataset,
+    batch_size: int,
+    epochs: int,
+    max_grad_norm: float,
+    target_epsilon: float | None = None,
+    target_delta: float | None = None,
+    noise_multiplier: float | None = None,
+    strategy=None,
+    lr_scheduler=None,
+    key: RngKey | None = None,
+    loss_reduction: str = "mean",
+    **loader_options,
+) -> PrivateTraining:
+    """Plan a private run and return the module, optimizer and data loader that carry it out.
+
+    Give either ``target_epsilon`` (the noise multiplier is calibrated) or ``noise_multiplier``
+    (``epsilon`` is computed); ``target_delta`` always. ``strategy`` defaults to the BLT
+    optimized for what ``optimizer`` (and ``lr_scheduler``, if given) will do with the noise
+    (``strategy_for_optimizer``); ``loss_reduction`` says whether the loss is the mean (default, as
+    ``F.cross_entropy``) or the sum over the batch. Extra keyword arguments go to the
+    DataLoader (``num_workers``, ``pin_memory``, ...). Raises, before anything is modified, on a
+    dataset too small for the batch size, an epsilon that cannot be met, an optimizer whose
+    parameters are not the module's trainable parameters, and layers that mix examples.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(optimizer, DPOptimizer):
+        raise TypeError(f"optimizer must be a plain torch.optim.Optimizer over the module's parameters, "
+                        f"got {type(optimizer).__name__}")
+    batch_size = _positive_int("batch_size", batch_size)
+    epochs = _positive_int("epochs", epochs)
+    max_grad_norm = positive_finite("max_grad_norm", max_grad_norm)
+    require_valid_model(module)
+    parameters = trainable_parameters(module)
+    _check_optimizer_covers(optimizer, module, parameters)
+    num_examples = len(dataset)
+    num_bins = num_examples // batch_size
+    if num_bins < 1:
+        raise ValueError(
+            f"the dataset has {num_examples} examples, fewer than batch_size={batch_size}: there is not "
+            f"one batch per epoch; use batch_size <= {num_examples}"
+        )
+    root_key = make_key(secrets.randbits(128)) if key is None else key
+    if not isinstance(root_key, RngKey):
+        raise TypeError(f"key must be an opake.random.RngKey (opake.random.key(seed)), got {type(key).__name__}")
+    sampler = BallsInBinsSampler(num_examples, num_bins, root_key.fold_in("opake.torch.sampler"))
+    participation = sampler.participation(epochs * num_bins)
+    if strategy is None:
+        strategy = strategy_for_optimizer(optimizer, participation.n_steps, lr_scheduler)
+    sigma, epsilon, delta, accountant = _plan_noise(strategy, num_bins, participation, target_epsilon,
+                                                    target_delta, noise_multiplier)
+    plan = PrivacyPlan(participation, num_bins, sampler.expected_batch_size, strategy, sigma, epsilon, delta,
+                       max_grad_norm, accountant)
+    noise_fn, noise_state = mf_gaussian_noise(
+        {name: p.detach() for name, p in parameters.items()}, strategy, n_steps=participation.n_steps,
+        min_sep=participation.min_sep, max_participations=participation.max_participations,
+        noise_multiplier=sigma, key=root_key.fold_in("opake.torch.noise"),
+    )
+    noise_fn.check_accounted_by(accountant)
+    clipper = PerExampleClipper(module, max_grad_norm=max_grad_norm, loss_reduction=loss_reduction)
+    private_optimizer = DPOptimizer(optimizer, clipper=clipper, noise_fn=noise_fn, noise_state=noise_state,
+                                    parameters=parameters, max_grad_norm=max_grad_norm,
+                                    normalization=sampler.expected_batch_size)
+    return PrivateTraining(module, private_optimizer, dataset, sampler, plan, root_key, loader_options)
+
+
+def strategy_for_optimizer(optimizer: torch.optim.Optimizer, n_steps: int, lr_scheduler=None):
+    """The BLT recipe whose workload is the noise's path through ``optimizer``.
+
+    ``torch.optim.SGD`` moves the parameters along the prefix sums of lr_t times its momentum
+    buffer, so its noise in the parameters is S D_lr M C^{-1} z: ``blt_strategy(workload=
+    "parameters", momentum, dampening, nesterov, lr_schedule)`` optimizes exactly that (docs/blt.md).
+    The schedule is read by stepping deep copies of the optimizer and ``lr_scheduler`` through
+    the ``n_steps`` planned steps (the caller's objects are not touched). Plain SGD without a
+    schedule is the prefix-sum workload, the default recipe. Optimizers whose update is not
+    linear in the gradient (Adam, AdamW, RMSprop, ...) have no exact workload; they get the
+    default recipe (prefix sums of the noise, docs/blt.md says why). Several parameter groups
+    with different momentum settings also get the default.
+    """
+    if type(optimizer) is not torch.optim.SGD:
+        return blt_strategy()
+    settings = {(g["momentum"], g["dampening"], g["nesterov"]) for g in optimizer.param_groups}
+    if len(settings) != 1:
+        return blt_strategy()
+    momentum, dampening, nesterov = settings.pop()
+    schedule = None if lr_scheduler is None else _learning_rates(optimizer, lr_scheduler, n_steps)
+    if momentum == 0 and schedule is None:
+        return blt_strategy()
+    return blt_strategy(workload="parameters", momentum=float(momentum), dampening=float(dampening),
+                        nesterov=bool(nesterov), lr_schedule=schedule)
+
+
+def _learning_rates(optimizer, lr_scheduler, n_steps: int) -> tuple:
+    """The first group's learning rate at each of the next ``n_steps`` steps, read from copies.
+
+    The optimizer and scheduler are deep-copied together (so the copy's scheduler drives the
+    copy's optimizer) with every parameter replaced by a one-element stand-in: the model's
+    weights are never copied and never change.
+    """
+    stand_ins = {id(p): nn.Parameter(torch.zeros(1)) for group in optimizer.param_groups for p in group["params"]}
+    optimizer_copy, scheduler_copy = copy.deepcopy((optimizer, lr_scheduler), memo=dict(stand_ins))
+    rates = []
+    try:
+        with warnings.catch_warnings():
+            # Only the copied scheduler steps: the copied optimizer's step may be a wrapper bound
+            # to the caller's optimizer, so it is never called (torch then warns about the order).
+            warnings.simplefilter("ignore", UserWarning)
+            for _ in range(n_steps):
+                rates.append(float(optimizer_copy.param_groups[0]["lr"]))
+                scheduler_copy.step()
+    except TypeError as error:
+        raise ValueError(
+            f"cannot read the learning-rate schedule by stepping a copy of {type(lr_scheduler).__name__} "
+            f"({error}); pass strategy=blt_strategy(workload='parameters', momentum=..., lr_schedule=[...]) "
+            f"with the planned rates yourself"
+        ) from None
+    return tuple(rates)
+
+
+def _plan_noise(strategy, num_bins, participation, target_epsilon, target_delta, noise_multiplier):
+    if target_delta is None:
+        raise TypeError("make_private needs target_delta (e.g. 1e-5, below 1 / len(dataset))")
+    if (target_epsilon is None) == (noise_multiplier is None):
+        raise TypeError("give exactly one of target_epsilon (calibrate the noise) and noise_multiplier")
+
+    def accountant(sigma):
+        return dpftrl_acc.balls_in_bins(dpftrl_acc.mf_gaussian(sigma, strategy), num_bins=num_bins,
+                                        n_steps=participation.n_steps)
+
+    if noise_multiplier is not None:
+        process = accountant(positive_finite("noise_multiplier", noise_multiplier))
+        return float(noise_multiplier), process.epsilon_at(target_delta), float(target_delta), process
+    budget = acc.epsilon_budget(target_epsilon, target_delta)
+    try:
+        result = acc.calibrate(budget, accountant, *_SIGMA_RANGE)
+    except acc.CalibrationRangeError as error:
+        raise ValueError(
+            f"target_epsilon={target_epsilon} at delta={target_delta} cannot be met for this plan "
+            f"({participation}) with a noise multiplier in {_SIGMA_RANGE}: {error}. Raise the budget, "
+            f"or train fewer epochs"
+        ) from None
+    return result.param, result.epsilon, float(target_delta), result.process
+
+
+def _check_optimizer_covers(optimizer, module, parameters: dict) -> None:
+    optimized = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    foreign = optimized - {id(p) for p in module.parameters()}
+    missing = [name for name, p in parameters.items() if id(p) not in optimized]
+    if foreign:
+        raise ValueError(
+            f"the optimizer holds {len(foreign)} parameter(s) that are not parameters of the module; "
+            f"build the optimizer from this module's parameters (module.parameters())"
+        )
+    if missing:
+        raise ValueError(
+            f"the module's trainable parameters {missing[:5]} are not in the optimizer; add them, or "
+            f"freeze them (requires_grad_(False)) so that they get no noise"
+        )
+
+
+def _positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)

@@ -1,0 +1,224 @@
+"""opake.torch.make_private: the issue's loop as written, equality with the functional layer
+(sampler -> clipped_grad -> mf_gaussian_noise with the same keys), the plan's guarantee, the
+horizon, checkpoints, frozen parameters, model fixes and the errors raised before training."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call
+
+import opake.dpftrl.accounting as dpftrl_acc
+from opake.dpftrl.clipping import clipped_grad
+from opake.dpftrl.noise import blt_strategy, mf_gaussian_noise
+from opake.dpftrl.sampling import BallsInBinsSampler
+from opake.random import key
+from opake.torch import PlanExhaustedError, fix_model, make_private, validate_model
+from opake.torch.validation import ModelValidationError
+
+
+def _images(count=96, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(count, 1, 8, 8, generator=generator)
+    y = (x.mean(dim=(1, 2, 3)) > 0).long()
+    return torch.utils.data.TensorDataset(x, y)
+
+
+class SmallCNN(nn.Module):
+    """A CNN as people write it: convolution, BatchNorm, dropout, linear head."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 3, padding=1)
+        self.norm = nn.BatchNorm2d(4)
+        self.drop = nn.Dropout(0.25)
+        self.head = nn.Linear(4 * 8 * 8, 2)
+
+    def forward(self, x):
+        return self.head(self.drop(torch.relu(self.norm(self.conv(x)))).flatten(1))
+
+
+def test_the_issue_loop_runs_as_written_with_standard_objects():
+    torch.manual_seed(0)
+    train_ds = _images()
+    model = fix_model(SmallCNN())                       # BatchNorm -> GroupNorm, a fixed copy
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=12)
+    private = make_private(module=model, optimizer=optimizer, dataset=train_ds, batch_size=16, epochs=2,
+                           target_epsilon=3.0, target_delta=1e-5, max_grad_norm=1.0, key=key(1))
+    model, optimizer, loader = private.module, private.optimizer, private.data_loader
+    model.train()                                       # dropout on: per-example randomness is fine
+    for x, y in loader:
+        optimizer.zero_grad(); F.cross_entropy(model(x), y).backward(); optimizer.step()
+        scheduler.step()
+    assert len(loader) == 12 and private.steps_taken == 12           # 2 epochs of 96 // 16 = 6 bins
+    assert 2.9 < private.epsilon <= 3.0 and private.delta == 1e-5
+    assert private.plan.participation.min_sep == 6 and private.plan.participation.max_participations == 2
+    with pytest.raises(PlanExhaustedError, match=r"priced 12 steps.*epochs"):
+        optimizer.step()
+    buffer = io.BytesIO()
+    torch.save(private.state_dict(), buffer)
+    buffer.seek(0)
+    assert torch.load(buffer, weights_only=True)["format"] == "opake.torch.PrivateTraining"
+    unwrapped = fix_model(SmallCNN())
+    unwrapped.load_state_dict(model.state_dict())       # the module is not wrapped
+
+
+def _loss_sum_model():
+    torch.manual_seed(3)
+    return nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3))
+
+
+def test_steps_equal_the_functional_layer_with_the_same_keys():
+    """make_private = BallsInBinsSampler -> clipped_grad -> mf_gaussian_noise -> SGD (same keys)."""
+    generator = torch.Generator().manual_seed(5)
+    x, y = torch.randn(40, 5, generator=generator), torch.randint(0, 3, (40,), generator=generator)
+    dataset = torch.utils.data.TensorDataset(x, y)
+    strategy = blt_strategy(max_buffers=3)
+    model = _loss_sum_model()
+    reference_model = _loss_sum_model()
+    private = make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), dataset=dataset,
+                           batch_size=8, epochs=2, noise_multiplier=1.3, target_delta=1e-5, max_grad_norm=0.5,
+                           strategy=strategy, key=key(11))
+    for xb, yb in private.data_loader:
+        private.optimizer.zero_grad()
+        F.cross_entropy(model(xb), yb).backward()
+        private.optimizer.step()
+
+    # The same run through the functional layer.
+    root = key(11)
+    sampler = BallsInBinsSampler(40, 5, root.fold_in("opake.torch.sampler"))
+    context = sampler.participation(10)
+    params = {name: p.detach().clone() for name, p in reference_model.named_parameters()}
+
+    def example_loss(params, xi, yi):
+        return F.cross_entropy(functional_call(reference_model, params, (xi[None],)), yi[None])
+
+    grad_fn, clip_state = clipped_grad(example_loss, clipping_norm=0.5, normalize_by=sampler.expected_batch_size,
+                                       batch_argnums=(1, 2))
+    noise_fn, noise_state = mf_gaussian_noise(params, strategy, n_steps=10, min_sep=context.min_sep,
+                                              max_participations=context.max_participations,
+                                              noise_multiplier=1.3, key=root.fold_in("opake.torch.noise"))
+    for step in range(10):
+        batch = sampler.batch(step)
+        grads, clip_state = grad_fn(params, x[batch], y[batch], state=clip_state)
+        noisy, noise_state = noise_fn(grads, noise_state)
+        params = {name: params[name] - 0.1 * noisy.pytree[name] for name in params}
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), params[name], rtol=1e-5, atol=1e-6)
+    # The plan's epsilon is the accountant's for the sampler's participation.
+    accountant = dpftrl_acc.mf_gaussian(1.3, strategy, context.n_steps, context.min_sep, context.max_participations)
+    assert private.epsilon == pytest.approx(accountant.epsilon_at(1e-5), rel=1e-12)
+
+
+def test_a_resumed_run_replays_to_the_same_parameters(tmp_path):
+    dataset = _images(48)
+
+    def run(stop_after=None, resume_from=None):
+        model = fix_model(SmallCNN()).eval()  # eval: no dropout, so both runs are deterministic
+        torch.manual_seed(7)
+        for p in model.parameters():
+            torch.nn.init.normal_(p, std=0.1)
+        private = make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.05),
+                               dataset=dataset, batch_size=8, epochs=2, noise_multiplier=1.0,
+                               target_delta=1e-5, max_grad_norm=1.0, key=key(4))
+        if resume_from is not None:
+            private.load_state_dict(torch.load(resume_from, weights_only=True), draws="replay")
+        for index, (xb, yb) in enumerate(private.data_loader):
+            if stop_after is not None and index == stop_after:
+                torch.save(private.state_dict(), tmp_path / "run.pt")
+                return None
+            private.optimizer.zero_grad()
+            F.cross_entropy(model(xb), yb).backward()
+            private.optimizer.step()
+        return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+    whole = run()
+    run(stop_after=5)
+    resumed = run(resume_from=tmp_path / "run.pt")
+    for name in whole:
+        torch.testing.assert_close(resumed[name], whole[name], rtol=0, atol=0)
+    model = fix_model(SmallCNN())
+    private = make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.05), dataset=dataset,
+                           batch_size=8, epochs=2, noise_multiplier=1.0, target_delta=1e-5, max_grad_norm=1.0,
+                           key=key(4))
+    with pytest.raises(TypeError, match=r"draws='replay' or fresh_key"):
+        private.load_state_dict(torch.load(tmp_path / "run.pt", weights_only=True))
+
+
+def test_frozen_parameters_get_no_noise_and_no_state():
+    model = _loss_sum_model()
+    model[0].weight.requires_grad_(False)
+    dataset = torch.utils.data.TensorDataset(torch.randn(20, 5), torch.randint(0, 3, (20,)))
+    private = make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), dataset=dataset,
+                           batch_size=5, epochs=1, noise_multiplier=2.0, target_delta=1e-5, max_grad_norm=1.0,
+                           key=key(0))
+    assert set(private.optimizer.parameters) == {"0.bias", "2.weight", "2.bias"}
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert private.optimizer.noise_state.buffers.shape[1] == trainable
+    frozen_before = model[0].weight.detach().clone()
+    for xb, yb in private.data_loader:
+        private.optimizer.zero_grad()
+        F.cross_entropy(model(xb), yb).backward()
+        private.optimizer.step()
+    assert model[0].weight.grad is None and torch.equal(model[0].weight, frozen_before)
+
+
+def test_fix_model_replaces_batch_norm_in_a_copy():
+    model = SmallCNN()
+    assert validate_model(model) and "norm (BatchNorm2d)" in validate_model(model)[0]
+    fixed = fix_model(model)
+    assert isinstance(model.norm, nn.BatchNorm2d)          # the caller's model is untouched
+    assert isinstance(fixed.norm, nn.GroupNorm) and fixed.norm.num_channels == 4
+    assert validate_model(fixed) == []
+
+
+def _make(model=None, **overrides):
+    model = _loss_sum_model() if model is None else model
+    arguments = dict(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                     dataset=torch.utils.data.TensorDataset(torch.randn(20, 5), torch.randint(0, 3, (20,))),
+                     batch_size=5, epochs=1, target_epsilon=3.0, target_delta=1e-5, max_grad_norm=1.0, key=key(0))
+    arguments.update(overrides)
+    return make_private(**arguments)
+
+
+@pytest.mark.parametrize("overrides, error, pattern", [
+    (dict(batch_size=21), ValueError, r"20 examples, fewer than batch_size=21"),
+    (dict(target_epsilon=1e-9), ValueError, r"target_epsilon=1e-09 .* cannot be met"),
+    (dict(optimizer=torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)), ValueError, "not parameters of the module"),
+    (dict(target_delta=None), TypeError, "needs target_delta"),
+    (dict(noise_multiplier=1.0), TypeError, "exactly one of target_epsilon"),
+    (dict(max_grad_norm=0.0), ValueError, "max_grad_norm"),
+    (dict(epochs=0), ValueError, "epochs must be a positive integer"),
+])
+def test_bad_plans_are_refused_before_training(overrides, error, pattern):
+    with pytest.raises(error, match=pattern):
+        _make(**overrides)
+
+
+def test_a_batch_norm_model_is_refused_with_the_fix():
+    with pytest.raises(ModelValidationError, match=r"norm \(BatchNorm2d\).*opake.torch.fix_model"):
+        _make(model=SmallCNN(), dataset=_images(20))
+
+
+def test_the_default_strategy_follows_the_optimizer():
+    from opake.torch import strategy_for_optimizer
+
+    model = _loss_sum_model()
+    plain = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert strategy_for_optimizer(plain, 20) == blt_strategy()                      # prefix sums
+    assert strategy_for_optimizer(torch.optim.AdamW(model.parameters()), 20) == blt_strategy()
+    momentum = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, dampening=0.1)
+    assert strategy_for_optimizer(momentum, 20) == blt_strategy(workload="parameters", momentum=0.9,
+                                                                 dampening=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(momentum, step_size=5, gamma=0.5)
+    derived = strategy_for_optimizer(momentum, 12, scheduler)
+    assert derived.workload == "parameters" and derived.nesterov is False
+    expected = [0.1] * 5 + [0.05] * 5 + [0.025] * 2
+    assert list(blt_strategy(workload="parameters", momentum=0.9, dampening=0.1, lr_schedule=expected).lr_schedule) \
+        == pytest.approx(list(derived.lr_schedule))
+    assert momentum.param_groups[0]["lr"] == 0.1 and scheduler.last_epoch == 0   # the caller's objects untouched

@@ -1,0 +1,498 @@
+"""PerExampleClipper against the torch.func oracle, layer family by layer family, then models."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+
+from opake.dpftrl.clipping import NonFiniteGradientError
+from opake.torch.per_example import (
+    BatchDimensionError,
+    ClipperUsageError,
+    PerExampleClipper,
+    UnsupportedModuleError,
+)
+from tests.torch_per_example_support import (
+    assert_sums_close,
+    check_against_reference,
+    clipper_sums,
+    reference,
+    squared_error,
+)
+
+F64 = torch.float64
+
+
+def _seeded(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _targets_like(model, inputs, seed=1):
+    with torch.no_grad():
+        shape = model(inputs).shape
+    return torch.randn(shape, generator=_seeded(seed), dtype=inputs.dtype if inputs.is_floating_point() else F64)
+
+
+# Layer families ------------------------------------------------------------------------------
+
+
+@given(
+    batch=st.integers(1, 5),
+    length=st.sampled_from([None, 1, 2, 7]),
+    width_in=st.integers(1, 4),
+    width_out=st.integers(1, 4),
+    bias=st.booleans(),
+    reduction=st.sampled_from(["mean", "sum"]),
+)
+def test_linear_matches_reference(batch, length, width_in, width_out, bias, reduction):
+    # length 7 with small widths takes the materialized branch (T^2 >= in*out), the others ghost.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(width_in, width_out, bias=bias), nn.Tanh()).to(F64)
+    shape = (batch, width_in) if length is None else (batch, length, width_in)
+    inputs = torch.randn(shape, dtype=F64)
+    check_against_reference(model, inputs, _targets_like(model, inputs), loss_reduction=reduction)
+
+
+@given(
+    spatial=st.sampled_from([1, 2]),
+    groups=st.sampled_from([1, 2]),
+    stride=st.integers(1, 2),
+    dilation=st.integers(1, 2),
+    padding=st.sampled_from([0, 1, "same", "valid"]),
+    padding_mode=st.sampled_from(["zeros", "reflect", "circular"]),
+    size=st.integers(5, 7),
+    bias=st.booleans(),
+)
+def test_conv_matches_reference(spatial, groups, stride, dilation, padding, padding_mode, size, bias):
+    if padding == "same":
+        stride = 1  # torch refuses "same" with strides
+    torch.manual_seed(0)
+    conv_type = nn.Conv1d if spatial == 1 else nn.Conv2d
+    conv = conv_type(2 * groups, 2 * groups, 3, stride=stride, padding=padding, dilation=dilation,
+                     groups=groups, bias=bias, padding_mode=padding_mode)
+    model = nn.Sequential(conv, nn.Tanh()).to(F64)
+    inputs = torch.randn((3, 2 * groups) + (size,) * spatial, dtype=F64)
+    check_against_reference(model, inputs, _targets_like(model, inputs))
+
+
+def test_conv_ghost_branch_is_taken_and_matches():
+    # 2x2 output positions against 8 x 8*9 weights: L^2 = 16 < 576, the Gram-matrix route.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(8, 8, 3, stride=3), nn.Flatten(), nn.Linear(32, 2)).to(F64)
+    inputs = torch.randn(4, 8, 6, 6, dtype=F64)
+    check_against_reference(model, inputs, _targets_like(model, inputs))
+
+
+@pytest.mark.parametrize("padding_idx", [None, 0, 3])
+@pytest.mark.parametrize("token_shape", [(), (6,), (2, 3)])
+def test_embedding_with_repeated_and_padding_tokens(padding_idx, token_shape):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(5, 3, padding_idx=padding_idx), nn.Tanh()).to(F64)
+    tokens = torch.randint(0, 5, (4, *token_shape), generator=_seeded(2))  # vocab 5: repeats
+    tokens.view(-1)[::4] = 0 if padding_idx is None else padding_idx
+    check_against_reference(model, tokens, _targets_like(model, tokens))
+
+
+@pytest.mark.parametrize("normalized_shape", [(4,), (3, 4)])
+def test_layer_norm(normalized_shape):
+    torch.manual_seed(0)
+    norm = nn.LayerNorm(normalized_shape)
+    with torch.no_grad():
+        norm.weight.normal_()
+        norm.bias.normal_()
+    model = nn.Sequential(norm, nn.Tanh()).to(F64)
+    inputs = torch.randn(5, 2, 3, 4, dtype=F64)
+    check_against_reference(model, inputs, _targets_like(model, inputs))
+
+
+@pytest.mark.parametrize("spatial", [(5,), (3, 4)])
+def test_group_norm(spatial):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.GroupNorm(2, 4), nn.Tanh()).to(F64)
+    with torch.no_grad():
+        model[0].weight.normal_()
+    inputs = torch.randn(5, 4, *spatial, dtype=F64)
+    check_against_reference(model, inputs, _targets_like(model, inputs))
+
+
+def test_fallback_prelu():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(2, 3, 3), nn.PReLU(3), nn.Flatten(), nn.Linear(12, 2)).to(F64)
+    with torch.no_grad():
+        model[1].weight.uniform_(-1, 1)
+    inputs = torch.randn(5, 2, 4, 4, dtype=F64)
+    check_against_reference(model, inputs, _targets_like(model, inputs))
+
+
+class _Attention(nn.Module):
+    def __init__(self, causal_mask: bool, padding_mask: bool):
+        super().__init__()
+        self.attention = nn.MultiheadAttention(4, 2, batch_first=True)
+        self.causal_mask = causal_mask
+        self.padding_mask = padding_mask
+
+    def forward(self, x):
+        length = x.shape[1]
+        attn_mask = torch.triu(torch.ones(length, length, dtype=torch.bool), 1) if self.causal_mask else None
+        padding = (x[..., 0] > 1.0) if self.padding_mask else None
+        if padding is not None:
+            padding[:, 0] = False  # every query keeps one key
+        output, _ = self.attention(x, x, x, key_padding_mask=padding, attn_mask=attn_mask)
+        return output
+
+
+@pytest.mark.parametrize("causal_mask,padding_mask", [(False, False), (True, False), (True, True)])
+def test_fallback_multihead_attention(causal_mask, padding_mask):
+    torch.manual_seed(0)
+    model = _Attention(causal_mask, padding_mask).to(F64)
+    inputs = torch.randn(4, 5, 4, dtype=F64)  # batch 4 == not the sequence length 5
+    check_against_reference(model, inputs, _targets_like(model, inputs))
+
+
+# Models --------------------------------------------------------------------------------------
+
+
+def _small_cnn():
+    return nn.Sequential(
+        nn.Conv2d(1, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(4, 4, 3, stride=2), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 2 * 2, 3),
+    )
+
+
+def _cross_entropy(output, target):
+    return F.cross_entropy(output, target, reduction="none")
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_small_cnn_float64(reduction):
+    torch.manual_seed(0)
+    model = _small_cnn().to(F64)
+    inputs = torch.randn(6, 1, 10, 10, dtype=F64)
+    labels = torch.randint(0, 3, (6,), generator=_seeded(3))
+    check_against_reference(model, inputs, labels, loss=_cross_entropy, loss_reduction=reduction)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_small_cnn_float32_against_float64_truth(reduction):
+    torch.manual_seed(0)
+    model = _small_cnn()
+    inputs = torch.randn(6, 1, 10, 10)
+    labels = torch.randint(0, 3, (6,), generator=_seeded(3))
+    check_against_reference(model, inputs, labels, loss=_cross_entropy, loss_reduction=reduction,
+                            rtol=1e-5, truth=copy.deepcopy(model).to(F64))
+
+
+class _TinyTransformer(nn.Module):
+    """Token and position embeddings, causal attention from Linear layers, an MLP, a head."""
+
+    def __init__(self, vocabulary=7, width=8, length=5, tie=False):
+        super().__init__()
+        self.tokens = nn.Embedding(vocabulary, width, padding_idx=0)
+        self.positions = nn.Embedding(length, width)
+        self.norm1 = nn.LayerNorm(width)
+        self.query, self.key, self.value = (nn.Linear(width, width) for _ in range(3))
+        self.project = nn.Linear(width, width)
+        self.norm2 = nn.LayerNorm(width)
+        self.mlp = nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
+        self.head = nn.Linear(width, vocabulary, bias=False)
+        if tie:
+            self.head.weight = self.tokens.weight
+
+    def forward(self, tokens):
+        length = tokens.shape[1]
+        h = self.tokens(tokens) + self.positions(torch.arange(length)).unsqueeze(0)
+        x = self.norm1(h)
+        scores = self.query(x) @ self.key(x).transpose(1, 2) / x.shape[-1] ** 0.5
+        scores = scores.masked_fill(torch.triu(torch.ones(length, length, dtype=torch.bool), 1), float("-inf"))
+        h = h + self.project(scores.softmax(-1) @ self.value(x))
+        h = h + self.mlp(self.norm2(h))
+        return self.head(h)
+
+
+def _next_token_loss(logits, tokens):
+    return F.cross_entropy(logits.transpose(1, 2), tokens, reduction="none").sum(dim=1)
+
+
+@pytest.mark.parametrize("tie", [False, True])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_tiny_transformer(tie, reduction):
+    torch.manual_seed(0)
+    model = _TinyTransformer(tie=tie).to(F64)
+    tokens = torch.randint(0, 7, (4, 5), generator=_seeded(4))
+    # The positions embedding is called with a batch of one; the clipper refuses it (see below),
+    # so freeze it here and test the rest.
+    model.positions.weight.requires_grad_(False)
+    check_against_reference(model, tokens, tokens, loss=_next_token_loss, loss_reduction=reduction)
+
+
+def test_positions_embedding_without_batch_dimension_is_refused():
+    model = _TinyTransformer().to(F64)
+    clipper = PerExampleClipper(model, 1.0)
+    tokens = torch.randint(0, 7, (4, 5))
+    with pytest.raises(BatchDimensionError, match=r"'positions'.*leading dimension of 5.*batch size 4"):
+        _next_token_loss(model(tokens), tokens).mean().backward()
+    clipper.remove()
+
+
+def test_tied_weights_are_one_parameter_with_summed_contributions():
+    torch.manual_seed(0)
+    model = _TinyTransformer(tie=True).to(F64)
+    model.positions.weight.requires_grad_(False)
+    clipper = PerExampleClipper(model, 1.0)
+    tokens = torch.randint(0, 7, (4, 5), generator=_seeded(4))
+    _next_token_loss(model(tokens), tokens).mean().backward()
+    sums = clipper.clipped_sum()
+    clipper.remove()
+    # One Parameter, one entry, under its first name; its gradient sums both layers' parts.
+    assert "tokens.weight" in sums and "head.weight" not in sums
+    expected, _, _ = reference(model, _next_token_loss, tokens, tokens, 1.0)
+    assert_sums_close(sums, expected, 1e-10)
+
+
+def test_layer_called_twice_in_one_pass():
+    torch.manual_seed(0)
+
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = nn.Linear(3, 3)
+
+        def forward(self, x):
+            return self.layer(torch.tanh(self.layer(x)))
+
+    model = Twice().to(F64)
+    inputs = torch.randn(5, 3, dtype=F64)
+    check_against_reference(model, inputs, _targets_like(model, inputs))
+
+
+def test_frozen_parameters_get_no_hooks_and_no_result():
+    torch.manual_seed(0)
+    model = _small_cnn().to(F64)
+    for param in model[0].parameters():
+        param.requires_grad_(False)
+    model[7].bias.requires_grad_(False)
+    clipper = PerExampleClipper(model, 1.0)
+    assert not model[0]._forward_hooks
+    inputs = torch.randn(6, 1, 10, 10, dtype=F64)
+    labels = torch.randint(0, 3, (6,), generator=_seeded(3))
+    _cross_entropy(model(inputs), labels).mean().backward()
+    sums = clipper.clipped_sum()
+    assert set(sums) == {"1.weight", "1.bias", "4.weight", "4.bias", "7.weight"}
+    clipper.remove()
+    assert not any(module._forward_hooks for module in model.modules())
+    check_against_reference(model, inputs, labels, loss=_cross_entropy)
+
+
+# Passes --------------------------------------------------------------------------------------
+
+
+def test_virtual_batches_equal_one_pass_over_the_concatenation():
+    torch.manual_seed(0)
+    model = _small_cnn().to(F64)
+    inputs = torch.randn(7, 1, 10, 10, dtype=F64)
+    labels = torch.randint(0, 3, (7,), generator=_seeded(3))
+    clipper = PerExampleClipper(model, 0.5, loss_reduction="mean")
+    for part in (slice(0, 3), slice(3, 7)):
+        _cross_entropy(model(inputs[part]), labels[part]).mean().backward()
+    assert clipper.examples == 7
+    ours = clipper.clipped_sum()
+    clipper.reset()
+    assert clipper.examples == 0
+    clipper.remove()
+    expected, _, _ = reference(model, _cross_entropy, inputs, labels, 0.5)
+    assert_sums_close(ours, expected, 1e-10)
+
+
+def test_two_forwards_then_one_backward_are_clipped_separately():
+    torch.manual_seed(0)
+    model = _small_cnn().to(F64)
+    inputs = torch.randn(6, 1, 10, 10, dtype=F64)
+    labels = torch.randint(0, 3, (6,), generator=_seeded(3))
+    clipper = PerExampleClipper(model, 0.5, loss_reduction="sum")
+    first = _cross_entropy(model(inputs[:3]), labels[:3]).sum()
+    second = _cross_entropy(model(inputs[3:]), labels[3:]).sum()
+    (first + second).backward()
+    ours = clipper.clipped_sum()
+    assert clipper.examples == 6
+    clipper.remove()
+    expected, _, _ = reference(model, _cross_entropy, inputs, labels, 0.5)
+    assert_sums_close(ours, expected, 1e-10)
+
+
+def test_each_example_alone_is_within_the_bound():
+    torch.manual_seed(0)
+    model = _small_cnn().to(F64)
+    inputs = torch.randn(6, 1, 10, 10, dtype=F64) * 10
+    labels = torch.randint(0, 3, (6,), generator=_seeded(3))
+    _, norms, _ = reference(model, _cross_entropy, inputs, labels, 1.0)
+    bound = float(norms.min()) * 0.5  # every example is clipped
+    clipper = PerExampleClipper(model, bound)
+    for index in range(6):
+        clipper.reset()
+        _cross_entropy(model(inputs[index:index + 1]), labels[index:index + 1]).mean().backward()
+        total = torch.cat([t.flatten() for t in clipper.clipped_sum().values()]).norm()
+        assert float(total) == pytest.approx(bound, rel=1e-10)
+        assert clipper.clipped_examples == 1
+
+
+def test_dropout_matches_reference_with_the_same_masks():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Dropout(0.5), nn.Linear(6, 2)).to(F64)
+    inputs = torch.randn(8, 4, dtype=F64)
+    targets = torch.randn(8, 2, dtype=F64)
+    masks = []
+    model[2].register_forward_hook(lambda module, args, output: masks.append((output / args[0]).detach()))
+    clipper = PerExampleClipper(model, 0.3, loss_reduction="sum")
+    squared_error(model(inputs), targets).sum().backward()
+    ours = clipper.clipped_sum()
+    clipper.remove()
+    assert bool((masks[0] == 0).any()) and bool((masks[0] == 2).any())
+    replay = _ReplayedDropout(model)
+    expected, _, _ = reference(replay, squared_error, torch.cat([inputs, masks[0]], 1), targets, 0.3)
+    assert_sums_close(ours, expected, 1e-10)
+
+
+class _ReplayedDropout(nn.Module):
+    """The model above with its dropout mask read from the input's last columns (same names)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.add_module("0", model[0])
+        self.add_module("3", model[3])
+
+    def forward(self, inputs_and_mask):
+        inputs, mask = inputs_and_mask[:, :4], inputs_and_mask[:, 4:]
+        return self._modules["3"](torch.tanh(self._modules["0"](inputs)) * mask)
+
+
+# Numerics ------------------------------------------------------------------------------------
+
+
+def test_bfloat16_sums_are_float32_and_close():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+    truth = copy.deepcopy(model).to(F64)
+    model = model.to(torch.bfloat16)
+    truth.load_state_dict({k: v.to(F64) for k, v in model.state_dict().items()})
+    inputs = torch.randn(16, 8).to(torch.bfloat16)
+    targets = torch.randn(16, 2).to(torch.bfloat16)
+    ours = clipper_sums(model, squared_error, inputs, targets, 0.5)
+    assert all(t.dtype == torch.float32 for t in ours.values())
+    expected, _, _ = reference(truth, squared_error, inputs.to(F64), targets.to(F64), 0.5)
+    assert_sums_close(ours, expected, 3e-2)
+
+
+def test_nonfinite_gradient_names_the_parameter():
+    model = nn.Sequential(nn.Linear(3, 2)).to(F64)
+    clipper = PerExampleClipper(model, 1.0)
+    inputs = torch.randn(4, 3, dtype=F64)
+    inputs[2, 1] = float("inf")
+    with pytest.raises(NonFiniteGradientError, match=r"'0\.weight'.*not finite for example 2"):
+        squared_error(model(inputs), torch.zeros(4, 2, dtype=F64)).sum().backward()
+        clipper.clipped_sum()
+
+
+def test_large_finite_gradients_are_clipped_not_refused():
+    model = nn.Sequential(nn.Linear(3, 2))
+    inputs = torch.full((2, 3), 3e12)  # squared norms overflow float32, norms do not
+    targets = torch.zeros(2, 2)
+    sums = clipper_sums(model, squared_error, inputs, targets, 1.0, "sum")
+    total = torch.cat([t.flatten() for t in sums.values()]).norm()
+    assert float(total) <= 2.0 * (1 + 1e-6)
+
+
+def test_empty_batch_gives_zeros():
+    model = _small_cnn().to(F64)
+    clipper = PerExampleClipper(model, 1.0, loss_reduction="sum")
+    _cross_entropy(model(torch.zeros(0, 1, 10, 10, dtype=F64)), torch.zeros(0, dtype=torch.long)).sum().backward()
+    sums = clipper.clipped_sum()
+    assert clipper.examples == 0
+    assert all(bool((t == 0).all()) and t.shape == p.shape for t, p in zip(sums.values(), model.parameters()))
+
+
+# Errors --------------------------------------------------------------------------------------
+
+
+def test_batch_norm_is_refused_naming_its_path():
+    model = nn.Sequential(nn.Conv2d(1, 2, 3), nn.Sequential(nn.BatchNorm2d(2)))
+    with pytest.raises(UnsupportedModuleError, match=r"BatchNorm2d at '1\.0'.*GroupNorm"):
+        PerExampleClipper(model, 1.0)
+
+
+def test_frozen_batch_norm_in_eval_mode_is_allowed_until_put_in_training_mode():
+    model = nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2))
+    model[1].eval()
+    model[1].requires_grad_(False)
+    clipper = PerExampleClipper(model, 1.0)
+    model(torch.randn(2, 1, 5, 5)).sum().backward()
+    assert clipper.clipped_sum()["0.weight"].shape == (2, 1, 3, 3)
+    model.train()
+    with pytest.raises(UnsupportedModuleError, match=r"BatchNorm2d at '1'.*training mode"):
+        model(torch.randn(2, 1, 5, 5))
+
+
+@pytest.mark.parametrize(
+    "layer,pattern",
+    [
+        (nn.MultiheadAttention(4, 2), r"MultiheadAttention at '0'.*batch_first=True"),
+        (nn.MultiheadAttention(4, 2, dropout=0.1, batch_first=True), r"dropout=0\.1"),
+        (nn.LSTM(4, 4), r"LSTM at '0'.*LSTMCell"),
+        (nn.Embedding(4, 4, scale_grad_by_freq=True), r"'0'.*scale_grad_by_freq=False"),
+    ],
+)
+def test_unsupported_layers_are_refused(layer, pattern):
+    with pytest.raises(UnsupportedModuleError, match=pattern):
+        PerExampleClipper(nn.Sequential(layer), 1.0)
+
+
+def test_clipped_sum_before_any_backward():
+    clipper = PerExampleClipper(nn.Linear(2, 2), 1.0)
+    with pytest.raises(ClipperUsageError, match=r"before any backward pass.*loss\.backward\(\)"):
+        clipper.clipped_sum()
+
+
+def test_folded_batch_dimension_is_refused():
+    class Folding(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = nn.Linear(3, 1)
+
+        def forward(self, x):
+            return self.layer(x.reshape(-1, 3))
+
+    model = Folding()
+    PerExampleClipper(model, 1.0)
+    with pytest.raises(BatchDimensionError, match=r"'layer' saw a leading dimension of 8.*batch size 2"):
+        model(torch.randn(2, 4, 3)).sum().backward()
+
+
+def test_layer_called_outside_the_model():
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+    PerExampleClipper(model, 1.0)
+    with pytest.raises(ClipperUsageError, match=r"'1' ran outside a call of the model"):
+        model[1](torch.randn(3, 2))
+
+
+@pytest.mark.parametrize(
+    "kwargs,error,pattern",
+    [
+        ({"max_grad_norm": 0.0}, ValueError, r"max_grad_norm must be finite and > 0"),
+        ({"max_grad_norm": "1"}, TypeError, r"max_grad_norm must be a real number"),
+        ({"max_grad_norm": 1.0, "loss_reduction": "none"}, ValueError, r"loss_reduction must be one of"),
+    ],
+)
+def test_bad_arguments(kwargs, error, pattern):
+    with pytest.raises(error, match=pattern):
+        PerExampleClipper(nn.Linear(2, 2), **kwargs)
+
+
+def test_no_trainable_parameters():
+    model = nn.Linear(2, 2).requires_grad_(False)
+    with pytest.raises(ValueError, match=r"no trainable parameters"):
+        PerExampleClipper(model, 1.0)
