@@ -93,7 +93,7 @@ def _data(name: str, count: int):
         return torch.utils.data.TensorDataset(torch.randn(count, 1, 28, 28, generator=generator),
                                               torch.randint(0, 10, (count,), generator=generator))
     tokens = torch.randint(0, 1000, (count, 65), generator=generator)
-    return torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:])
+    return torch.utils.data.TensorDataset(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())  # Opacus needs contiguous ids
 
 
 def _loss(name, model, x, y):
