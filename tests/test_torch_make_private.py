@@ -222,3 +222,42 @@ def test_the_default_strategy_follows_the_optimizer():
     assert list(blt_strategy(workload="parameters", momentum=0.9, dampening=0.1, lr_schedule=expected).lr_schedule) \
         == pytest.approx(list(derived.lr_schedule))
     assert momentum.param_groups[0]["lr"] == 0.1 and scheduler.last_epoch == 0   # the caller's objects untouched
+
+
+class _TiedLanguageModel(nn.Module):
+    """Token embedding reused as the output projection, either through a Linear sharing the
+    Parameter (hooked) or directly as ``h @ weight.T`` (escapes the per-example hooks)."""
+
+    def __init__(self, direct: bool):
+        super().__init__()
+        self.direct = direct
+        self.embed = nn.Embedding(11, 6)
+        self.mix = nn.Linear(6, 6)
+        self.out = nn.Linear(6, 11, bias=False)
+        self.out.weight = self.embed.weight
+
+    def forward(self, tokens):
+        h = torch.tanh(self.mix(self.embed(tokens)))
+        return h @ self.embed.weight.T if self.direct else self.out(h)
+
+
+@pytest.mark.parametrize("direct", [False, True])
+def test_a_parameter_used_outside_its_layer_is_caught_on_the_first_step(direct):
+    from opake.torch.per_example import UnhookedUseError
+
+    torch.manual_seed(0)
+    model = _TiedLanguageModel(direct)
+    dataset = torch.utils.data.TensorDataset(torch.randint(0, 11, (32, 5)), torch.randint(0, 11, (32, 5)))
+    private = make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), dataset=dataset,
+                           batch_size=8, epochs=1, noise_multiplier=1.0, target_delta=1e-5, max_grad_norm=1.0,
+                           key=key(2))
+    x, y = next(iter(private.data_loader))
+    private.optimizer.zero_grad()
+    F.cross_entropy(model(x).reshape(-1, 11), y.reshape(-1)).backward()
+    if direct:
+        with pytest.raises(UnhookedUseError, match=r"'embed.weight' got gradient from outside the layer"):
+            private.optimizer.step()
+        assert private.steps_taken == 0      # nothing was released
+    else:
+        private.optimizer.step()
+        assert private.steps_taken == 1

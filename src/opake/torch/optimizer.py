@@ -6,8 +6,10 @@ During ``backward`` the per-example clipper (``opake.torch.per_example``) record
 constant normalization (the sampler's expected batch size, never the realized one), adds
 the mechanism's noise through the noise engine (``mf_gaussian_noise``: one streaming step of
 sigma * C * C^{-1} z), writes the noised gradients into the parameters' ``.grad`` and calls
-the wrapped optimizer's ``step``. Several ``backward`` calls before one ``step`` form one
-logical batch (virtual batches / microbatching: each example is clipped on its own, the sums
+the wrapped optimizer's ``step``. On the first step with examples it also checks that
+autograd's ``.grad`` equals the unclipped sum the hooks saw (``PerExampleClipper.
+check_coverage``): a parameter used outside its layer would escape the clipping. Several
+``backward`` calls before one ``step`` form one logical batch (virtual batches / microbatching: each example is clipped on its own, the sums
 add up). Frozen parameters (``requires_grad=False``) get no noise and take no noise state.
 
 The wrapper shares ``param_groups``, ``state`` and ``defaults`` with the wrapped optimizer, so
@@ -47,6 +49,10 @@ class DPOptimizer(torch.optim.Optimizer):
         self.max_grad_norm = float(max_grad_norm)
         self.normalization = float(normalization)
         self.last_step_examples = 0
+        # Until one step with examples has shown that autograd's .grad equals what the hooks
+        # saw, every parameter use is not known to go through a hooked layer: check it.
+        self._coverage_checked = False
+        clipper.track_coverage(True)
 
     # -- what torch.optim users and schedulers read ------------------------------------------
 
@@ -112,6 +118,11 @@ class DPOptimizer(torch.optim.Optimizer):
             )
         sums = self.clipper.clipped_sum()
         self.last_step_examples = self.clipper.examples
+        if not self._coverage_checked:
+            self.clipper.check_coverage()
+            if self.last_step_examples:
+                self._coverage_checked = True
+                self.clipper.track_coverage(False)
         gradients = clipped({name: sums[name] / self.normalization for name in self.parameters},
                             l2_bound=self.max_grad_norm, normalization=self.normalization)
         noisy, self.noise_state = self.noise_fn(gradients, self.noise_state)

@@ -39,7 +39,10 @@ output (checked against the model's first input where sizes differ), the loss is
 over examples of per-example losses, and a trainable parameter is only used inside the forward
 of a layer holding it (a parameter used directly in a parent's forward, as in
 ``h @ self.embedding.weight.T``, escapes the hooks: hold it in a layer, e.g. a Linear whose
-weight is the tied Parameter). Dropout in its own nn.Dropout layer just works.
+weight is the tied Parameter). Such a use is detected on request: with ``track_coverage()``
+the unclipped sums are formed too, and ``check_coverage()`` compares them with autograd's
+``.grad``, which sees every use (``make_private`` does this on the first step of a run).
+Dropout in its own nn.Dropout layer just works.
 
 Half precision: the norms and the clipped sums of bfloat16/float16 parameters are formed and
 returned in float32, for the reason given in ``opake.dpftrl.clipping``: a half-precision sum of
@@ -54,6 +57,7 @@ from opake.torch.per_example.errors import (
     BatchDimensionError,
     ClipperUsageError,
     NonFiniteGradientError,
+    UnhookedUseError,
     UnsupportedModuleError,
 )
 
@@ -62,5 +66,6 @@ __all__ = [
     "ClipperUsageError",
     "NonFiniteGradientError",
     "PerExampleClipper",
+    "UnhookedUseError",
     "UnsupportedModuleError",
 ]

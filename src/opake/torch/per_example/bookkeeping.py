@@ -50,6 +50,7 @@ class ClippedPass:
     sums: dict  # model-wide parameter name -> clipped sum over this pass's examples
     examples: int
     clipped_examples: int
+    unclipped: dict | None = None  # the same contractions with factor 1: autograd's gradient
 
 
 def sum_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -89,15 +90,21 @@ def _nonfinite(name: str, layer: HookedLayer, squares: torch.Tensor, batch: int)
 
 
 def clip_forward_pass(
-    calls: list[LayerCall], *, max_grad_norm: float, mean: bool, shared: frozenset, batch_size: int | None
+    calls: list[LayerCall], *, max_grad_norm: float, mean: bool, shared: frozenset, batch_size: int | None,
+    unclipped: bool = False,
 ) -> ClippedPass:
-    """Clip each example of one forward pass to ``max_grad_norm`` and sum, per parameter."""
+    """Clip each example of one forward pass to ``max_grad_norm`` and sum, per parameter.
+
+    With ``unclipped=True`` the sums are also formed with every factor 1: what autograd put in
+    ``.grad`` for this pass if every use of every parameter went through the hooked layers
+    (``PerExampleClipper.check_coverage`` compares the two).
+    """
     calls = [call for call in calls if call.received]
     if not calls:
-        return ClippedPass({}, 0, 0)
+        return ClippedPass({}, 0, 0, {} if unclipped else None)
     batch = _common_batch_size(calls, batch_size)
     if batch == 0:
-        return ClippedPass({}, 0, 0)
+        return ClippedPass({}, 0, 0, {} if unclipped else None)
     owners: dict[str, int] = {}
     for call in calls:
         for name in call.layer.global_names:
@@ -149,17 +156,22 @@ def clip_forward_pass(
     factors = torch.where(clipped, max_grad_norm / torch.where(clipped, norms, 1.0), 1.0)
     weights = factors * scale
 
-    sums: dict[str, torch.Tensor] = {}
-    for call in calls:
-        layer, dtype = call.layer, _layer_dtype(call.layer)
-        ghost = [local for local, name in zip(layer.local_names, layer.global_names) if name not in dense_names]
-        if not ghost:
-            continue
-        parts = layer.rule.clipped_sums(layer.module, call.stored, call.grads, ghost, weights.to(dtype), dtype)
-        for local, name in zip(layer.local_names, layer.global_names):
-            if local in ghost:
-                sums[name] = parts[local]
-    for name, grads in per_example.items():
-        flat = grads.reshape(batch, -1)
-        sums[name] = torch.mv(flat.t(), weights.to(device=flat.device, dtype=flat.dtype)).reshape(grads.shape[1:])
-    return ClippedPass(sums, batch, int(clipped.sum()))
+    def weighted_sums(weights: torch.Tensor) -> dict[str, torch.Tensor]:
+        sums: dict[str, torch.Tensor] = {}
+        for call in calls:
+            layer, dtype = call.layer, _layer_dtype(call.layer)
+            ghost = [local for local, name in zip(layer.local_names, layer.global_names) if name not in dense_names]
+            if not ghost:
+                continue
+            parts = layer.rule.clipped_sums(layer.module, call.stored, call.grads, ghost, weights.to(dtype), dtype)
+            for local, name in zip(layer.local_names, layer.global_names):
+                if local in ghost:
+                    sums[name] = parts[local]
+        for name, grads in per_example.items():
+            flat = grads.reshape(batch, -1)
+            sums[name] = torch.mv(flat.t(), weights.to(device=flat.device, dtype=flat.dtype)).reshape(grads.shape[1:])
+        return sums
+
+    # The stored output gradients already carry the loss's 1/B for a mean, so factor 1 gives .grad.
+    plain = weighted_sums(torch.ones_like(weights)) if unclipped else None
+    return ClippedPass(weighted_sums(weights), batch, int(clipped.sum()), plain)

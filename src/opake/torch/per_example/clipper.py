@@ -20,7 +20,7 @@ from torch import nn
 
 from opake._checks import positive_finite
 from opake.torch.per_example.bookkeeping import ClippedPass, LayerCall, clip_forward_pass, sum_dtype
-from opake.torch.per_example.errors import ClipperUsageError, UnsupportedModuleError
+from opake.torch.per_example.errors import ClipperUsageError, UnhookedUseError, UnsupportedModuleError
 from opake.torch.per_example.model import HookedLayer, describe, plan_model
 
 LOSS_REDUCTIONS = ("mean", "sum")
@@ -71,6 +71,7 @@ class PerExampleClipper:
             raise ValueError("the module has no trainable parameters (requires_grad=True); nothing to clip")
         self._module = module
         self._handles = []
+        self._tracking_unclipped = False
         self._current: _ForwardPass | None = None
         self._open: list[_ForwardPass] = []
         self._folding = False
@@ -116,9 +117,51 @@ class PerExampleClipper:
             )
         return result
 
+    def track_coverage(self, enabled: bool = True) -> None:
+        """From the next backward pass on, also form the unclipped sums (one more contraction
+        per parameter) so that :meth:`check_coverage` can compare them with ``.grad``."""
+        self._tracking_unclipped = bool(enabled)
+
+    def check_coverage(self, rtol: float = 1e-3) -> None:
+        """Raise unless autograd's ``.grad`` equals the sum the hooks saw, for every parameter.
+
+        A trainable parameter used outside the forward of the layer holding it (as in
+        ``h @ self.embedding.weight.T``) escapes the hooks: its per-example norm would miss that
+        use and the clipping bound would not hold. Autograd sees every use, so a ``.grad`` that
+        differs from the hooks' unclipped sum (beyond float rounding: ``rtol`` of the norm of
+        the whole model's gradient) means such a use. Needs ``track_coverage()`` before the
+        backward passes and ``.grad`` zeroed at the start of the logical batch.
+        """
+        self._close_passes(only_received=False)
+        if not self._tracking_unclipped or self._unclipped is None:
+            raise ClipperUsageError("check_coverage() needs track_coverage() before the backward passes")
+        pairs = {}
+        for name, param in self._plan.trainable.items():
+            seen, actual = self._unclipped.get(name), param.grad
+            if seen is None and actual is None:
+                continue
+            seen = torch.zeros_like(param, dtype=torch.float64) if seen is None else seen.to(torch.float64)
+            actual = torch.zeros_like(seen) if actual is None else actual.detach().to(torch.float64)
+            pairs[name] = (seen, actual)
+        # Rounding is relative to the whole gradient, not to one parameter's: a bias that a
+        # normalization layer cancels has a gradient of pure rounding noise on both sides.
+        scale = max(1e-30, sum(float(s.norm()) ** 2 + float(a.norm()) ** 2 for s, a in pairs.values()) ** 0.5)
+        for name, (seen, actual) in pairs.items():
+            difference = float((seen - actual).norm())
+            if difference > rtol * scale:
+                raise UnhookedUseError(
+                    f"parameter {name!r} got gradient from outside the layer that holds it (autograd's "
+                    f".grad differs from what the per-example hooks saw by {difference / scale:.3g} of the "
+                    f"model's gradient norm), so its per-example norm cannot be bounded. Use it only through "
+                    f"its layer (for tied weights, a Linear whose weight is the shared Parameter), or make it "
+                    f"a parameter of a layer opake hooks. (If .grad still held gradients from before this "
+                    f"batch, call optimizer.zero_grad() before backward.)"
+                )
+
     def reset(self) -> None:
         """Forget all stored tensors and sums: start a new logical batch."""
         self._open = []
+        self._unclipped: dict[str, torch.Tensor] | None = {}
         self._sums: dict[str, torch.Tensor] = {}
         self._examples = 0
         self._clipped_examples = 0
@@ -211,12 +254,19 @@ class PerExampleClipper:
                 mean=self.loss_reduction == "mean",
                 shared=self._plan.shared,
                 batch_size=forward_pass.batch_size,
+                unclipped=self._tracking_unclipped,
             )
         finally:
             self._folding = False
         for name, part in clipped.sums.items():
             previous = self._sums.get(name)
             self._sums[name] = part if previous is None else previous + part
+        if clipped.unclipped is None:
+            self._unclipped = None  # a pass without them: the comparison is impossible this batch
+        elif self._unclipped is not None:
+            for name, part in clipped.unclipped.items():
+                previous = self._unclipped.get(name)
+                self._unclipped[name] = part if previous is None else previous + part
         self._examples += clipped.examples
         self._clipped_examples += clipped.clipped_examples
         self._passes += 1

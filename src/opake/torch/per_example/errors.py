@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from opake.dpftrl.clipping import NonFiniteGradientError
 
-__all__ = ["BatchDimensionError", "ClipperUsageError", "NonFiniteGradientError", "UnsupportedModuleError"]
+__all__ = ["BatchDimensionError", "ClipperUsageError", "NonFiniteGradientError", "UnhookedUseError", "UnsupportedModuleError"]
 
 
 class UnsupportedModuleError(ValueError):
@@ -17,3 +17,7 @@ class ClipperUsageError(RuntimeError):
 
 class BatchDimensionError(RuntimeError):
     """A hooked layer saw a leading dimension other than the batch size of the forward pass."""
+
+
+class UnhookedUseError(RuntimeError):
+    """A trainable parameter got gradient from a use the per-example hooks did not see."""
