@@ -217,18 +217,21 @@ class _CyclicSampler:
             )
         return Participation(n_steps, min_sep=min_sep, max_participations=-(-n_steps // self._period()))
 
-    def batch_sampler(self, n_steps: int, start_step: int = 0) -> StepBatches:
+    def batch_sampler(self, n_steps: int, start_step: int = 0, part: tuple[int, int] | None = None) -> StepBatches:
         """The batches of steps ``start_step .. n_steps - 1`` as a torch batch sampler.
 
         ``DataLoader(dataset, batch_sampler=sampler.batch_sampler(n_steps))`` yields exactly
         ``batch(step)`` for every step in order, so the loader keeps this sampler's guarantee.
         Batches can be empty (a bin with no example): torch's default collate cannot collate an
         empty list, so pass ``collate_fn=collate_allowing_empty(dataset[0])`` or use
-        :meth:`data_loader`. ``start_step`` resumes a run mid-way.
+        :meth:`data_loader`. ``start_step`` resumes a run mid-way. ``part=(index, count)``
+        serves only ``batch(step)[index::count]``, the index-th of count disjoint parts of every
+        batch (data-parallel ranks, each clipping its part; the parts add up to the batch).
         """
-        return StepBatches(self, n_steps, start_step)
+        return StepBatches(self, n_steps, start_step, part)
 
-    def data_loader(self, dataset, n_steps: int, start_step: int = 0, **loader_options) -> torch.utils.data.DataLoader:
+    def data_loader(self, dataset, n_steps: int, start_step: int = 0, part: tuple[int, int] | None = None,
+                    **loader_options) -> torch.utils.data.DataLoader:
         """A ``torch.utils.data.DataLoader`` over ``dataset`` serving this sampler's batches.
 
         ``len(dataset)`` must equal ``num_examples`` (index i is example i); empty batches are
@@ -250,7 +253,7 @@ class _CyclicSampler:
             )
         collate = loader_options.pop("collate_fn", None) or collate_allowing_empty(dataset[0])
         return torch.utils.data.DataLoader(
-            dataset, batch_sampler=self.batch_sampler(n_steps, start_step), collate_fn=collate, **loader_options)
+            dataset, batch_sampler=self.batch_sampler(n_steps, start_step, part), collate_fn=collate, **loader_options)
 
     @staticmethod
     def _step(step) -> int:
@@ -262,15 +265,21 @@ class StepBatches(torch.utils.data.Sampler):
     batch sampler (``DataLoader(dataset, batch_sampler=...)``); build it with
     ``sampler.batch_sampler(n_steps)``. Iterating it again yields the same batches."""
 
-    def __init__(self, sampler: _CyclicSampler, n_steps: int, start_step: int = 0):
+    def __init__(self, sampler: _CyclicSampler, n_steps: int, start_step: int = 0, part: tuple[int, int] | None = None):
         super().__init__()
         self.sampler = sampler
         self.n_steps = _integer("n_steps", n_steps, 1)
         self.start_step = _integer("start_step", start_step, 0)
         _check_at_most("start_step", self.start_step, "n_steps", self.n_steps, "start at a step of the run")
+        index, count = (0, 1) if part is None else part
+        count = _integer("part count", count, 1)
+        index = _integer("part index", index, 0)
+        _check_at_most("part index", index, "part count - 1", count - 1, "parts are numbered from 0")
+        self.part = (index, count)
 
     def __iter__(self) -> Iterator[list[int]]:
-        return (self.sampler.batch(step).tolist() for step in range(self.start_step, self.n_steps))
+        index, count = self.part
+        return (self.sampler.batch(step)[index::count].tolist() for step in range(self.start_step, self.n_steps))
 
     def __len__(self) -> int:
         return self.n_steps - self.start_step

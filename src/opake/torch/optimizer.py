@@ -11,6 +11,8 @@ autograd's ``.grad`` equals the unclipped sum the hooks saw (``PerExampleClipper
 check_coverage``): a parameter used outside its layer would escape the clipping. Several
 ``backward`` calls before one ``step`` form one logical batch (virtual batches / microbatching: each example is clipped on its own, the sums
 add up). Frozen parameters (``requires_grad=False``) get no noise and take no noise state.
+Under torch.distributed each rank clips its part of the global batch, the clipped sums are
+all-reduced, and the sharded noise engine adds the noise once (bit-identical on every rank).
 
 The wrapper shares ``param_groups``, ``state`` and ``defaults`` with the wrapped optimizer, so
 learning-rate schedulers built on either object drive the same learning rates, and the
@@ -39,7 +41,7 @@ class DPOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, clipper, noise_fn, noise_state, parameters: dict,
-                 max_grad_norm: float, normalization: float):
+                 max_grad_norm: float, normalization: float, process_group=None, distributed: bool = False):
         # Not Optimizer.__init__: the wrapped optimizer owns the groups and the state.
         self.original_optimizer = optimizer
         self.clipper = clipper
@@ -49,6 +51,8 @@ class DPOptimizer(torch.optim.Optimizer):
         self.max_grad_norm = float(max_grad_norm)
         self.normalization = float(normalization)
         self.last_step_examples = 0
+        self.distributed = distributed
+        self.process_group = process_group
         # Until one step with examples has shown that autograd's .grad equals what the hooks
         # saw, every parameter use is not known to go through a hooked layer: check it.
         self._coverage_checked = False
@@ -123,6 +127,8 @@ class DPOptimizer(torch.optim.Optimizer):
             if self.last_step_examples:
                 self._coverage_checked = True
                 self.clipper.track_coverage(False)
+        if self.distributed:
+            sums = _all_reduced(sums, self.process_group)
         gradients = clipped({name: sums[name] / self.normalization for name in self.parameters},
                             l2_bound=self.max_grad_norm, normalization=self.normalization)
         noisy, self.noise_state = self.noise_fn(gradients, self.noise_state)
@@ -130,3 +136,22 @@ class DPOptimizer(torch.optim.Optimizer):
             parameter.grad = noisy.pytree[name]
         self.clipper.reset()
         return self.original_optimizer.step()
+
+
+def _all_reduced(sums: dict, process_group) -> dict:
+    """The sum over ranks of every rank's clipped sums: one all-reduce per dtype.
+
+    Each rank clipped its own part of the global batch; the clipped sum of the global batch is
+    the sum of the parts (clipping is per example), so every rank then holds the same sum and
+    the sharded noise engine adds the noise once.
+    """
+    import torch.distributed as dist
+
+    result = {}
+    for dtype in sorted({tensor.dtype for tensor in sums.values()}, key=str):
+        names = [name for name, tensor in sums.items() if tensor.dtype == dtype]
+        flat = torch.cat([sums[name].reshape(-1) for name in names])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=process_group)
+        for name, piece in zip(names, flat.split([sums[name].numel() for name in names])):
+            result[name] = piece.view(sums[name].shape)
+    return result

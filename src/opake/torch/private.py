@@ -31,6 +31,12 @@ The plan, in order (each piece is one of opake's layers, used as documented ther
    against the accountant before training (``check_accounted_by``); a step past the plan
    raises ``PlanExhaustedError``.
 
+Under torch.distributed (initialized, world size > 1; or ``process_group=``) every rank
+builds the same plan from the same key, its data loader serves its part of every global
+batch (``batch[rank::world_size]``), its clipped sums are all-reduced, and the noise comes from
+the sharded engine (each rank keeps buffers for what it owns): the run equals one process on
+the same global batches. Pass the plain module, not ``DistributedDataParallel(module)``.
+
 Randomness: ``key`` (an ``opake.random.RngKey``) seeds the sampler and the noise; without one,
 a 128-bit key is drawn from the operating system (``secrets``), as SECURITY.md recommends for
 published runs, and kept in ``state_dict()`` so that a resumed run continues the same bins.
@@ -50,7 +56,7 @@ from torch import nn
 import opake.accounting as acc
 import opake.dpftrl.accounting as dpftrl_acc
 from opake._checks import positive_finite
-from opake.dpftrl.noise import blt_strategy, mf_gaussian_noise
+from opake.dpftrl.noise import blt_strategy, mf_gaussian_noise, sharded_mf_gaussian_noise
 from opake.dpftrl.participation import Participation
 from opake.dpftrl.sampling import BallsInBinsSampler
 from opake.random import RngKey, key as make_key
@@ -168,6 +174,7 @@ def make_private(
     strategy=None,
     lr_scheduler=None,
     key: RngKey | None = None,
+    process_group=None,
     loss_reduction: str = "mean",
     **loader_options,
 ) -> PrivateTraining:
@@ -184,6 +191,12 @@ def make_private(
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    if isinstance(module, nn.parallel.DistributedDataParallel):
+        raise TypeError(
+            "pass the plain module, not DistributedDataParallel(module): make_private reduces the clipped "
+            "per-example gradients across ranks itself (DDP would average unclipped gradients)"
+        )
+    rank, world_size = _rank_and_world(process_group)
     if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(optimizer, DPOptimizer):
         raise TypeError(f"optimizer must be a plain torch.optim.Optimizer over the module's parameters, "
                         f"got {type(optimizer).__name__}")
@@ -200,7 +213,7 @@ def make_private(
             f"the dataset has {num_examples} examples, fewer than batch_size={batch_size}: there is not "
             f"one batch per epoch; use batch_size <= {num_examples}"
         )
-    root_key = make_key(secrets.randbits(128)) if key is None else key
+    root_key = _shared_key(process_group, world_size) if key is None else key
     if not isinstance(root_key, RngKey):
         raise TypeError(f"key must be an opake.random.RngKey (opake.random.key(seed)), got {type(key).__name__}")
     sampler = BallsInBinsSampler(num_examples, num_bins, root_key.fold_in("opake.torch.sampler"))
@@ -211,16 +224,25 @@ def make_private(
                                                     target_delta, noise_multiplier)
     plan = PrivacyPlan(participation, num_bins, sampler.expected_batch_size, strategy, sigma, epsilon, delta,
                        max_grad_norm, accountant)
-    noise_fn, noise_state = mf_gaussian_noise(
-        {name: p.detach() for name, p in parameters.items()}, strategy, n_steps=participation.n_steps,
-        min_sep=participation.min_sep, max_participations=participation.max_participations,
-        noise_multiplier=sigma, key=root_key.fold_in("opake.torch.noise"),
+    engine_arguments = dict(
+        n_steps=participation.n_steps, min_sep=participation.min_sep,
+        max_participations=participation.max_participations, noise_multiplier=sigma,
+        key=root_key.fold_in("opake.torch.noise"),
     )
+    template = {name: p.detach() for name, p in parameters.items()}
+    if world_size > 1:  # every rank noises what it owns; one all-gather shares it (docs/distributed.md)
+        noise_fn, noise_state = sharded_mf_gaussian_noise(template, strategy, process_group=process_group,
+                                                          **engine_arguments)
+    else:
+        noise_fn, noise_state = mf_gaussian_noise(template, strategy, **engine_arguments)
     noise_fn.check_accounted_by(accountant)
     clipper = PerExampleClipper(module, max_grad_norm=max_grad_norm, loss_reduction=loss_reduction)
     private_optimizer = DPOptimizer(optimizer, clipper=clipper, noise_fn=noise_fn, noise_state=noise_state,
                                     parameters=parameters, max_grad_norm=max_grad_norm,
-                                    normalization=sampler.expected_batch_size)
+                                    normalization=sampler.expected_batch_size, process_group=process_group,
+                                    distributed=world_size > 1)
+    if world_size > 1:
+        loader_options = {**loader_options, "part": (rank, world_size)}
     return PrivateTraining(module, private_optimizer, dataset, sampler, plan, root_key, loader_options)
 
 
@@ -275,6 +297,28 @@ def _learning_rates(optimizer, lr_scheduler, n_steps: int) -> tuple:
             f"with the planned rates yourself"
         ) from None
     return tuple(rates)
+
+
+def _rank_and_world(process_group) -> tuple[int, int]:
+    """(rank, world size) of ``process_group`` (the default group) when torch.distributed runs."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        if process_group is not None:
+            raise ValueError("process_group was given but torch.distributed is not initialized")
+        return 0, 1
+    return dist.get_rank(process_group), dist.get_world_size(process_group)
+
+
+def _shared_key(process_group, world_size: int) -> RngKey:
+    """A fresh 128-bit key from the operating system, the same on every rank (rank 0's)."""
+    seed = [secrets.randbits(128)]
+    if world_size > 1:
+        import torch.distributed as dist
+
+        dist.broadcast_object_list(seed, src=dist.get_global_rank(process_group, 0) if process_group else 0,
+                                   group=process_group)
+    return make_key(seed[0])
 
 
 def _plan_noise(strategy, num_bins, participation, target_epsilon, target_delta, noise_multiplier):
