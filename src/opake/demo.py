@@ -2,8 +2,10 @@
 
 Data: scikit-learn's bundled handwritten digits (1797 8x8 images, 10 classes; nothing is
 downloaded), split once into 1200 training, 300 validation and 297 test images by a fixed
-permutation. Model: a 64-32-10 tanh network. Training: every step clips per-example gradients
-(norm 1), sums them, divides by the expected batch size, adds noise, and takes an SGD step.
+permutation. Model: a 64-32-10 tanh network. Private training is ``opake.torch.make_private``
+on the network, an SGD optimizer and the training set (the loop of docs/torch.md): every step
+clips per-example gradients (norm 1) in backward, sums them, divides by the expected batch
+size, adds the strategy's noise and takes the SGD step.
 
 Both private runs use the same sampler (balls in bins: every image in one of 30 random bins,
 bins served cyclically, so every image appears once per epoch, 30 steps apart, 20 epochs:
@@ -22,12 +24,10 @@ from dataclasses import dataclass
 
 import torch
 
-from opake.accounting import calibrate, epsilon_budget
-from opake.dpftrl.accounting import mf_gaussian
-from opake.dpftrl.clipping import clipped_grad
-from opake.dpftrl.noise import blt_strategy, identity_strategy, mf_gaussian_noise
+from opake.dpftrl.noise import blt_strategy, identity_strategy
 from opake.dpftrl.sampling import BallsInBinsSampler
 from opake.random import key
+from opake.torch import make_private
 
 SEED = 0  # the demo's one fixed seed: data split, initialization, batches, noise
 
@@ -83,41 +83,39 @@ def _forward(params, x):
     return torch.tanh(x @ params["w1"] + params["b1"]) @ params["w2"] + params["b2"]
 
 
-def _example_loss(params, example):
-    x, label = example
-    return torch.nn.functional.cross_entropy(_forward(params, x)[None], label[None])
-
-
 def _accuracy(params, data) -> float:
     x, y = data
     with torch.no_grad():
         return float((_forward(params, x).argmax(1) == y).float().mean())
 
 
-def _train_private(strategy, settings, train, sampler, participation, learning_rate, progress):
-    noise_multiplier = calibrate(
-        epsilon_budget(settings.epsilon, settings.delta),
-        lambda sigma: mf_gaussian(sigma, strategy, participation.n_steps, participation.min_sep,
-                                  participation.max_participations),
-        param_min=1e-2, param_max=1e4,
+def _module(hidden: int) -> torch.nn.Module:
+    """The network of ``_forward`` as layers (Linear stores W^T), with the same initial values."""
+    init = _init(hidden)
+    module = torch.nn.Sequential(torch.nn.Linear(64, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, 10))
+    with torch.no_grad():
+        module[0].weight.copy_(init["w1"].T), module[0].bias.copy_(init["b1"])
+        module[2].weight.copy_(init["w2"].T), module[2].bias.copy_(init["b2"])
+    return module
+
+
+def _train_private(strategy, settings, train, learning_rate, progress):
+    """The PyTorch way: make_private on a module, an SGD optimizer and the training set."""
+    module = _module(settings.hidden)
+    private = make_private(
+        module=module, optimizer=torch.optim.SGD(module.parameters(), lr=learning_rate),
+        dataset=torch.utils.data.TensorDataset(*train), batch_size=settings.batch_size, epochs=settings.epochs,
+        target_epsilon=settings.epsilon, target_delta=settings.delta, max_grad_norm=settings.clipping_norm,
+        strategy=strategy, key=key(SEED),
     )
-    params = _init(settings.hidden)
-    grad_fn, clip_state = clipped_grad(_example_loss, clipping_norm=settings.clipping_norm,
-                                       normalize_by=sampler.expected_batch_size)
-    noise_fn, noise_state = mf_gaussian_noise(
-        grad_template=params, strategy=strategy, n_steps=participation.n_steps,
-        min_sep=participation.min_sep, max_participations=participation.max_participations,
-        noise_multiplier=noise_multiplier.param, key=key(SEED).fold_in("noise"),
-    )
-    noise_fn.check_accounted_by(noise_multiplier.process)
-    x, y = train
-    for step in range(participation.n_steps):
-        batch = sampler.batch(step)
-        grads, clip_state = grad_fn(params, (x[batch], y[batch]), state=clip_state)
-        noisy_grads, noise_state = noise_fn(grads, noise_state)
-        params = {name: params[name] - learning_rate * noisy_grads.pytree[name] for name in params}
+    for x, y in private.data_loader:
+        private.optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(module(x), y).backward()
+        private.optimizer.step()
         progress.update(1)
-    return params, noise_multiplier
+    params = {"w1": module[0].weight.detach().T, "b1": module[0].bias.detach(),
+              "w2": module[2].weight.detach().T, "b2": module[2].bias.detach()}
+    return params, private
 
 
 def _train_plain(settings, train, sampler, n_steps, learning_rate, progress):
@@ -145,7 +143,8 @@ def run_demo(settings: DemoSettings = DemoSettings(), progress_bar: bool = True)
         raise RuntimeError("opake demo needs tqdm (pip install 'opake[demo]')") from None
     train, valid, test = _data()
     batches_per_epoch = train[0].shape[0] // settings.batch_size
-    sampler = BallsInBinsSampler(train[0].shape[0], batches_per_epoch, key(SEED).fold_in("batches"))
+    # The bins make_private draws from key(SEED) (opake.torch.private), so all runs see the same batches.
+    sampler = BallsInBinsSampler(train[0].shape[0], batches_per_epoch, key(SEED).fold_in("opake.torch.sampler"))
     n_steps = settings.epochs * batches_per_epoch
     participation = sampler.participation(n_steps)
     methods = (("BLT", blt_strategy(max_buffers=10)), ("DP-SGD", identity_strategy()), ("non-private", None))
@@ -159,11 +158,10 @@ def run_demo(settings: DemoSettings = DemoSettings(), progress_bar: bool = True)
                 if strategy is None:
                     params, calibration = _train_plain(settings, train, sampler, n_steps, learning_rate, progress), None
                 else:
-                    params, calibration = _train_private(strategy, settings, train, sampler, participation,
-                                                         learning_rate, progress)
+                    params, calibration = _train_private(strategy, settings, train, learning_rate, progress)
                 candidate = DemoResult(
                     method=name, learning_rate=learning_rate,
-                    noise_multiplier=None if calibration is None else calibration.param,
+                    noise_multiplier=None if calibration is None else calibration.noise_multiplier,
                     epsilon=None if calibration is None else calibration.epsilon,
                     validation_accuracy=_accuracy(params, valid), test_accuracy=_accuracy(params, test),
                 )
