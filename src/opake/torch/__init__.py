@@ -7,6 +7,7 @@ deal with layers that mix examples (BatchNorm). ``opake.torch.per_example`` is t
 clipping engine (hooks, ghost norms) underneath. Nothing below this package imports it.
 """
 
+from opake.torch.opacus_compat import PrivacyEngine
 from opake.torch.optimizer import DPOptimizer, PlanExhaustedError
 from opake.torch.private import PrivacyPlan, PrivateTraining, make_private, strategy_for_optimizer
 from opake.torch.validation import ModelValidationError, fix_model, validate_model
@@ -15,6 +16,7 @@ __all__ = [
     "DPOptimizer",
     "ModelValidationError",
     "PlanExhaustedError",
+    "PrivacyEngine",
     "PrivacyPlan",
     "PrivateTraining",
     "fix_model",
