@@ -86,7 +86,7 @@ from torch.func import grad, vmap
 from opake._checks import positive_finite
 from opake.types import ClippedPytree
 
-__all__ = ["ClipState", "LossShapeError", "NonFiniteGradientError", "clipped_grad"]
+__all__ = ["ClipState", "LossShapeError", "NonFiniteGradientError", "clip_factors", "clipped_grad"]
 
 NONFINITE_MODES = ("raise", "zero")
 _MAX_NAMED_EXAMPLES = 5
@@ -275,6 +275,17 @@ def _nonfinite_message(flat_leaves, paths, bad: list[int], batch_size: int) -> s
     )
 
 
+def clip_factors(norms: torch.Tensor, bound: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-example scale factors ``min(1, bound / norm)`` and the mask of clipped examples.
+
+    The one implementation of the clipping rule, shared by ``clipped_grad`` and the PyTorch
+    front end's hooks (``opake.torch.per_example``). A factor is exactly 1 at or below the
+    bound (a zero norm is never divided by) and ``bound / norm`` above it, in ``norms``' dtype.
+    """
+    clipped = norms > bound
+    return torch.where(clipped, bound / torch.where(clipped, norms, torch.ones_like(norms)), torch.ones_like(norms)), clipped
+
+
 def clipped_grad(
     loss_fn: Callable,
     clipping_norm: float,
@@ -381,11 +392,8 @@ def clipped_grad(
         else:
             bad = []
 
-        # Scale min(1, C / norm): exactly 1 at or below the bound, 0 for a dropped example.
-        clipped = finite & (norms > clipping_norm)
-        bound = torch.full_like(norms, clipping_norm)
-        scale = torch.where(clipped, bound / torch.where(clipped, norms, bound), torch.ones_like(norms))
-        scale = torch.where(finite, scale, torch.zeros_like(scale)) / normalization
+        scale, clipped = clip_factors(torch.where(finite, norms, torch.zeros_like(norms)), clipping_norm)
+        scale = torch.where(finite, scale, torch.zeros_like(scale)) / normalization  # 0: a dropped example
         sums = [_weighted_sum(flat, scale).reshape(leaf.shape[1:]) for flat, leaf in zip(flat_leaves, leaves)]
         num_clipped = int(clipped.sum())
         new_state = ClipState(

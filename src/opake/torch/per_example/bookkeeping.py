@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from opake.dpftrl.clipping import clip_factors
 from opake.torch.per_example.errors import BatchDimensionError, NonFiniteGradientError
 from opake.torch.per_example.model import HookedLayer, describe
 from opake.torch.per_example.rules.base import squared_frobenius
@@ -152,8 +153,7 @@ def clip_forward_pass(
 
     scale = float(batch) if mean else 1.0
     norms = torch.sqrt(torch.stack(list(squared.values())).sum(dim=0)) * scale
-    clipped = norms > max_grad_norm
-    factors = torch.where(clipped, max_grad_norm / torch.where(clipped, norms, 1.0), 1.0)
+    factors, clipped = clip_factors(norms, max_grad_norm)
     weights = factors * scale
 
     def weighted_sums(weights: torch.Tensor) -> dict[str, torch.Tensor]:
