@@ -101,13 +101,14 @@ def test_references_agree_with_each_other_and_with_the_gaussian():
     assert identity_reference(0.8, 1, 1, 0.7)[1] == pytest.approx(exact, rel=1e-9)
 
 
-# --- rigorous default --------------------------------------------------------------------------
+# --- rigorous (unamplified) --------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("strategy", [identity_strategy(), HAND_BLT], ids=["identity", "blt"])
 @pytest.mark.parametrize("n_steps, num_bins", [(12, 4), (11, 4), (9, 9), (10, 1)])
-def test_rigorous_default_is_mf_gaussian_for_the_supplied_participation(strategy, n_steps, num_bins):
-    proc = dpftrl_acc.balls_in_bins(dpftrl_acc.mf_gaussian(1.3, strategy), num_bins=num_bins, n_steps=n_steps)
+def test_rigorous_is_mf_gaussian_for_the_supplied_participation(strategy, n_steps, num_bins):
+    proc = dpftrl_acc.balls_in_bins(dpftrl_acc.mf_gaussian(1.3, strategy), num_bins=num_bins, n_steps=n_steps,
+                                    method="rigorous")
     k = -(-n_steps // num_bins)
     direct = dpftrl_acc.mf_gaussian(1.3, strategy, n_steps=n_steps, min_sep=num_bins, max_participations=k)
     assert proc.is_guarantee is True
@@ -254,9 +255,26 @@ def test_bad_inner_is_refused():
         dpftrl_acc.balls_in_bins(identity_strategy(), num_bins=2, n_steps=10)
 
 
+def test_the_default_is_the_tightest_proven_bound_that_applies():
+    inner = dpftrl_acc.mf_gaussian(1.3, HAND_BLT)
+    default = dpftrl_acc.balls_in_bins(inner, num_bins=4, n_steps=12)
+    rdp = dpftrl_acc.balls_in_bins(inner, num_bins=4, n_steps=12, method="rdp")
+    rigorous = dpftrl_acc.balls_in_bins(inner, num_bins=4, n_steps=12, method="rigorous")
+    assert isinstance(default, dpftrl_acc.BallsInBinsRDP)
+    for delta in [1e-8, 1e-4]:
+        assert default.epsilon_at(delta) == rdp.epsilon_at(delta) < rigorous.epsilon_at(delta)
+    assert default.participation == rigorous.participation
+    assert default.mechanism.fingerprint == rigorous.mechanism.fingerprint
+    # a strategy matrix with a negative entry has no amplified bound here: the default is unamplified
+    signed = dpftrl_acc.mf_gaussian(1.3, HandBLTRecipe(theta=(0.5,), omega=(-0.3,)))
+    fallback = dpftrl_acc.balls_in_bins(signed, num_bins=2, n_steps=4)
+    assert isinstance(fallback, dpftrl_acc.BallsInBins)
+    assert "without amplification" in fallback.description
+
+
 def test_bad_method_and_monte_carlo_arguments_are_refused():
     inner = dpftrl_acc.mf_gaussian(1.0, identity_strategy())
-    with pytest.raises(ValueError, match="method must be one of"):
+    with pytest.raises(ValueError, match="method must be None .the tightest proven bound. or one of"):
         dpftrl_acc.balls_in_bins(inner, num_bins=2, n_steps=4, method="exact")
     with pytest.raises(ValueError, match="seed apply only to method='monte_carlo'"):
         dpftrl_acc.balls_in_bins(inner, num_bins=2, n_steps=4, seed=1)

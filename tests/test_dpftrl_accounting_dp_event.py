@@ -53,7 +53,7 @@ def _processes():
     inner = dpftrl_acc.mf_gaussian(3.0, STRATEGY)
     return {
         "mf_gaussian": dpftrl_acc.mf_gaussian(3.0, STRATEGY, 200, 20, 10),
-        "balls_in_bins": dpftrl_acc.balls_in_bins(inner, num_bins=20, n_steps=200),
+        "balls_in_bins": dpftrl_acc.balls_in_bins(inner, num_bins=20, n_steps=200, method="rigorous"),
         "gaussian": acc.gaussian(1.7),
     }
 
@@ -88,7 +88,7 @@ def test_an_mf_run_composed_with_another_release_in_dp_accounting():
 def test_the_amplified_rdp_process_exposes_the_unamplified_event_as_a_valid_upper_bound():
     inner = dpftrl_acc.mf_gaussian(3.0, STRATEGY)
     amplified = dpftrl_acc.balls_in_bins(inner, num_bins=20, n_steps=200, method="rdp")
-    rigorous = dpftrl_acc.balls_in_bins(inner, num_bins=20, n_steps=200)
+    rigorous = dpftrl_acc.balls_in_bins(inner, num_bins=20, n_steps=200, method="rigorous")
     assert amplified.dp_event == rigorous.dp_event
     assert amplified.epsilon_at(DELTA) <= _pld_epsilon(amplified.dp_event) * (1 + 1e-9)
 

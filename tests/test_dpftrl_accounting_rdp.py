@@ -15,13 +15,16 @@ from test_dpftrl_accounting_balls_in_bins import dense_gram
 from test_dpftrl_accounting_gaussian import HAND_BLT, HandBLTRecipe, dense_coefficients
 
 import opake.dpftrl.accounting as dpftrl_acc
+from opake.dpftrl.accounting import rdp_allocation
 from opake.dpftrl.accounting.rdp_allocation import (
     add_rdp_upper_bound,
+    exact_remove_rdp,
+    majorized_remove_rdp,
     rdp_delta,
     rdp_epsilon,
     remove_rdp_upper_bound,
 )
-from opake.dpftrl.noise import identity_strategy
+from opake.dpftrl.noise import blt_strategy, identity_strategy
 
 
 def brute_force_remove_rdp(gram, sigma, order):
@@ -49,7 +52,8 @@ def test_brute_force_reproduces_math_md_reference_values():
     assert brute_force_remove_rdp(gram, 2.0, 2) == pytest.approx(0.269002, abs=1e-6)
     assert brute_force_remove_rdp(gram, 2.0, 3) == pytest.approx(0.425918, abs=1e-6)
     bound = remove_rdp_upper_bound(gram, 2.0, max_order=4)
-    assert np.all(bound >= [0.269002, 0.425918, 0.617762])
+    np.testing.assert_allclose(bound, [0.269002, 0.425918, 0.617762], atol=1e-6)  # exact at orders 2..4
+    assert np.all(majorized_remove_rdp(gram, 2.0, max_order=4) > bound + 1e-3)
     c_geometric = np.concatenate([[1.0], 0.5 * 0.6 ** np.arange(63)])
     assert brute_force_remove_rdp(dense_gram(c_geometric, 16), 2.0, 2) == pytest.approx(0.383051, abs=1e-6)
 
@@ -57,11 +61,47 @@ def test_brute_force_reproduces_math_md_reference_values():
 @pytest.mark.parametrize("n_steps, num_bins, sigma", [(6, 3, 1.0), (7, 3, 0.8), (8, 2, 1.5)])
 def test_remove_bound_is_exact_for_its_majorized_gram_and_above_the_true_value(n_steps, num_bins, sigma):
     gram = dense_gram(dense_coefficients(HAND_BLT.theta, HAND_BLT.omega, n_steps), num_bins)
+    majorized_bound = majorized_remove_rdp(gram, sigma, max_order=5)
     bound = remove_rdp_upper_bound(gram, sigma, max_order=5)
     for order in range(2, 6):
         exact = brute_force_remove_rdp(gram, sigma, order)
-        assert bound[order - 2] == pytest.approx(brute_force_remove_rdp(majorized(gram), sigma, order), rel=1e-12)
-        assert bound[order - 2] >= exact * (1 - 1e-12)
+        assert majorized_bound[order - 2] == pytest.approx(
+            brute_force_remove_rdp(majorized(gram), sigma, order), rel=1e-12)
+        assert majorized_bound[order - 2] >= exact * (1 - 1e-12)
+        assert exact <= bound[order - 2] <= majorized_bound[order - 2]
+        if order <= 4:  # summed exactly
+            assert bound[order - 2] == pytest.approx(exact, rel=1e-10)
+
+
+@pytest.mark.parametrize("num_bins, sigma", [(3, 0.7), (5, 1.3), (7, 2.0)])
+def test_exact_orders_equal_brute_force_and_never_fall_below_it(num_bins, sigma):
+    rng = np.random.default_rng(num_bins)
+    factor = rng.uniform(0.0, 1.0, size=(2 * num_bins, num_bins))  # any Gram of a non-negative M
+    gram = factor.T @ factor
+    exact = exact_remove_rdp(gram, sigma)
+    assert sorted(exact) == [2, 3, 4]
+    for order, value in exact.items():
+        reference = brute_force_remove_rdp(gram, sigma, order)
+        assert value >= reference
+        assert value == pytest.approx(reference, rel=1e-10)
+
+
+def test_exact_orders_survive_entries_that_would_overflow():
+    gram = np.array([[900.0, 850.0], [850.0, 900.0]])  # exp(900) overflows float64
+    exact = exact_remove_rdp(gram, 1.0)
+    for order in (2, 3, 4):
+        assert math.isfinite(exact[order])
+        assert exact[order] == pytest.approx(brute_force_remove_rdp(gram, 1.0, order), rel=1e-12)
+
+
+def test_exact_orders_are_skipped_where_too_costly(monkeypatch):
+    gram = dense_gram(dense_coefficients(HAND_BLT.theta, HAND_BLT.omega, 12), 4)
+    monkeypatch.setattr(rdp_allocation, "EXACT_ORDER_4_MAX_BINS", 3)
+    assert sorted(exact_remove_rdp(gram, 1.0)) == [2, 3]
+    monkeypatch.setattr(rdp_allocation, "EXACT_ORDER_3_MAX_BINS", 3)
+    assert sorted(exact_remove_rdp(gram, 1.0)) == [2]
+    bound = remove_rdp_upper_bound(gram, 1.0, max_order=5)
+    np.testing.assert_array_equal(bound[1:], majorized_remove_rdp(gram, 1.0, max_order=5)[1:])
 
 
 def test_remove_bound_is_exact_for_the_identity():
@@ -150,3 +190,32 @@ def test_rdp_refuses_negative_entries_and_monte_carlo_arguments():
         dpftrl_acc.balls_in_bins(signed, num_bins=2, n_steps=4, method="rdp")
     with pytest.raises(ValueError, match="seed apply only to method='monte_carlo'; drop them for method='rdp'"):
         dpftrl_acc.balls_in_bins(dpftrl_acc.mf_gaussian(1.0, HAND_BLT), num_bins=2, n_steps=4, method="rdp", seed=0)
+
+
+def test_each_direction_is_converted_on_its_own():
+    inner = dpftrl_acc.mf_gaussian(1.0, HAND_BLT)
+    process = dpftrl_acc.balls_in_bins(inner, num_bins=4, n_steps=12, method="rdp")
+    for delta in [1e-6, 1e-3]:
+        per_direction = max(rdp_epsilon(process.remove, delta), rdp_epsilon(process.add, delta))
+        assert process.epsilon_at(delta) == pytest.approx(min(per_direction, process.rigorous.epsilon_at(delta)))
+        # converting the pointwise maximum with one order for both directions is never tighter
+        assert process.epsilon_at(delta) <= rdp_epsilon(process.rdp, delta)
+        assert process.delta_at(process.epsilon_at(delta)) <= delta * (1 + 1e-9)
+
+
+def test_seed_example_bound_and_its_monte_carlo_lower_confidence_bound():
+    # The seed's example: 100 bins over 500 steps, BLT with up to 10 buffers, sigma = 1, delta = 1e-5.
+    # Unamplified 27.22; the majorized RDP bound alone gave 25.88; exact order-2 moments give 23.82.
+    inner = dpftrl_acc.mf_gaussian(1.0, blt_strategy(max_buffers=10))
+    process = dpftrl_acc.balls_in_bins(inner, num_bins=100, n_steps=500)
+    assert isinstance(process, dpftrl_acc.BallsInBinsRDP)  # the default is the tightest proven bound
+    epsilon = process.epsilon_at(1e-5)
+    assert epsilon < 23.9
+    assert epsilon < process.rigorous.epsilon_at(1e-5) - 3.0
+    estimate = dpftrl_acc.balls_in_bins(inner, num_bins=100, n_steps=500, method="monte_carlo",
+                                        num_samples=100_000, seed=5, confidence=0.999)
+    # the Monte Carlo lower confidence bound on the true delta at our epsilon stays below 1e-5,
+    # and so does it at every smaller delta's bound (a bound below the truth would show here)
+    assert estimate.delta_estimate(epsilon).lower <= 1e-5
+    for delta in [1e-3, 1e-4]:
+        assert estimate.epsilon_estimate(delta).lower <= process.epsilon_at(delta)

@@ -250,10 +250,14 @@ def test_samplers_are_immutable(make):
 def test_participation_matches_balls_in_bins_accounting(num_bins, n_steps):
     sampler = BallsInBinsSampler(40, num_bins, key(0))
     participation = sampler.participation(n_steps)
-    amplified = balls_in_bins(mf_gaussian(1.0, identity_strategy()), num_bins=num_bins, n_steps=n_steps)
-    assert amplified.participation == participation
+    for method in ("rigorous", "rdp"):
+        process = balls_in_bins(mf_gaussian(1.0, identity_strategy()), num_bins=num_bins, n_steps=n_steps,
+                                method=method)
+        assert process.participation == participation
+    rigorous = balls_in_bins(mf_gaussian(1.0, identity_strategy()), num_bins=num_bins, n_steps=n_steps,
+                             method="rigorous")
     direct = mf_gaussian(1.0, identity_strategy(), **dataclasses.asdict(participation))
-    assert direct.epsilon_at(1e-5) == amplified.epsilon_at(1e-5)
+    assert direct.epsilon_at(1e-5) == rigorous.epsilon_at(1e-5)
 
 
 @pytest.mark.parametrize(

@@ -40,6 +40,11 @@ def bin_gram_matrix(coefficients: np.ndarray, num_bins: int) -> np.ndarray:
     return gram
 
 
+def has_non_negative_entries(rigorous) -> bool:
+    """Whether the run's strategy matrix is >= 0 entrywise (the amplified dominating pair applies)."""
+    return bool(np.all(rigorous.mechanism.toeplitz_coefficients(rigorous.n_steps) >= 0))
+
+
 def bin_gram_of_run(rigorous, method: str) -> np.ndarray:
     """G for a balls-in-bins run (its resolved mechanism), refusing C with negative entries.
 

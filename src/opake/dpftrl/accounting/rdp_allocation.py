@@ -6,17 +6,24 @@ orders alpha >= 2:
 
 remove direction, exact (sum over the b^alpha tuples of bins):
     E_P[(Q/P)^alpha] = b^-alpha sum_{j_1..j_alpha} exp(sum_{r<s} G[j_r, j_s] / sigma^2).
-  Every coefficient is non-negative, so an entrywise upper bound on G bounds it. We use
-  G <= diag(G_ii - tau) + tau 11^T, tau the largest off-diagonal entry; then the sum factorizes:
+  Orders 2 and 3 (and 4 for small b) are summed exactly with matrix products
+  (``exact_remove_rdp``): alpha = 2 is sum(E), alpha = 3 is sum(E * (E @ E)), E = exp(G / sigma^2)
+  entrywise. For every order, every coefficient is non-negative, so an entrywise upper bound on
+  G bounds it (``majorized_remove_rdp``). We use G <= diag(G_ii - tau) + tau 11^T, tau the
+  largest off-diagonal entry; then the sum factorizes:
     E_P[(Q/P)^alpha] <= b^-alpha alpha! [x^alpha] prod_i f_i(x) * exp(tau alpha (alpha - 1) / (2 sigma^2)),
     f_i(x) = sum_c x^c exp((G_ii - tau) c (c - 1) / (2 sigma^2)) / c!,
   and D_alpha(Q||P) = ln E_P[(Q/P)^alpha] / (alpha - 1). The product polynomial, truncated at
-  the largest order, is built once in log space: O(b alpha_max^2).
+  the largest order, is built once in log space: O(b alpha_max^2). The remove bound is the
+  smaller of the exact value (where computed) and the majorized one.
 add direction (Jensen on the mixture's log-likelihood ratio):
     D_alpha(P||Q) <= tr(G) / (2 b sigma^2) + (alpha - 1) 1^T G 1 / (2 b^2 sigma^2).
-conversion (Canonne, Kamath and Steinke 2020, Prop. 12), with rho = max of the two directions:
-    eps = rho + ln(1 - 1/alpha) - (ln delta + ln alpha) / (alpha - 1),  minimized over alpha,
-and the result is the smaller of this and the unamplified epsilon (both are upper bounds).
+conversion (Canonne, Kamath and Steinke 2020, Prop. 12), one ordered pair of distributions at a
+time: (alpha, rho)-RDP from P to Q gives H_{e^eps}(P||Q) <= delta with
+    eps = rho + ln(1 - 1/alpha) - (ln delta + ln alpha) / (alpha - 1),
+minimized over alpha separately for each direction; the run's epsilon is the larger of the two
+directions' (both hockey-stick divergences must be <= delta), and the result is the smaller of
+this and the unamplified epsilon (both are upper bounds).
 """
 
 from __future__ import annotations
@@ -44,8 +51,8 @@ def _log_polynomial_product(log_a: np.ndarray, log_b: np.ndarray) -> np.ndarray:
     return logsumexp(skewed[:, : degree + 1], axis=0)
 
 
-def remove_rdp_upper_bound(gram: np.ndarray, noise_multiplier: float, max_order: int = MAX_ORDER) -> np.ndarray:
-    """Upper bounds on D_alpha(Q||P) for alpha = 2..max_order (array of max_order - 1 values)."""
+def majorized_remove_rdp(gram: np.ndarray, noise_multiplier: float, max_order: int = MAX_ORDER) -> np.ndarray:
+    """Upper bounds on D_alpha(Q||P) for alpha = 2..max_order from the majorized Gram (module docstring)."""
     b = gram.shape[0]
     variance = float(noise_multiplier) ** 2
     off_diagonal = gram[~np.eye(b, dtype=bool)]
@@ -61,6 +68,58 @@ def remove_rdp_upper_bound(gram: np.ndarray, noise_multiplier: float, max_order:
     orders = counts[2:]
     log_moment = log_factorials[2:] - orders * math.log(b) + product[2:] + tau * pair_counts[2:] / variance
     return log_moment / (orders - 1.0)
+
+
+# The largest b for which order 3 (b^3 work, one matrix product) and order 4 (b^4) are summed exactly.
+EXACT_ORDER_3_MAX_BINS = 2048
+EXACT_ORDER_4_MAX_BINS = 160
+# Relative rounding allowance per summed term: float64 exp and products are within a few ulps,
+# and pairwise summation of N non-negative terms errs by far less than N ulps of the sum.
+_ROUNDING = 8.0 * np.finfo(np.float64).eps
+
+
+def exact_remove_rdp(gram: np.ndarray, noise_multiplier: float) -> dict:
+    """D_alpha(Q||P) exactly (up to a rounding allowance) for the orders cheap at this b.
+
+    Returns {alpha: value} for alpha = 2 always, 3 when b <= EXACT_ORDER_3_MAX_BINS and 4 when
+    b <= EXACT_ORDER_4_MAX_BINS. With E = exp(G / sigma^2 - g) entrywise (g the largest entry of
+    G / sigma^2, so no entry overflows; every tuple's term carries g once per pair):
+      alpha = 2: sum_{i,j} E_ij
+      alpha = 3: sum_{i,j,k} E_ij E_ik E_jk = sum(E * (E @ E))
+      alpha = 4: sum_{i,j} E_ij w_ij^T E w_ij,  w_ij = E_i * E_j (entrywise rows)
+    Underflowed terms are below 1e-308 of the largest (= 1, the tuple of the largest diagonal
+    entry; G is a Gram matrix, so its largest entry is on the diagonal) and are covered, with
+    rounding, by the allowance added to the logarithm.
+    """
+    b = gram.shape[0]
+    scaled = np.asarray(gram, dtype=np.float64) / float(noise_multiplier) ** 2
+    top = float(scaled.max())
+    weights = np.exp(scaled - top)
+    sums = {2: float(weights.sum())}
+    if b <= EXACT_ORDER_3_MAX_BINS:
+        sums[3] = float((weights * (weights @ weights)).sum())
+    if b <= EXACT_ORDER_4_MAX_BINS:
+        total = 0.0
+        for i in range(b):
+            rows = weights[i][None, :] * weights  # row j is w_ij
+            total += float(weights[i] @ ((rows @ weights) * rows).sum(axis=1))
+        sums[4] = total
+    divergences = {}
+    for order, value in sums.items():
+        pairs = order * (order - 1) / 2
+        allowance = math.log1p(_ROUNDING * float(b) ** order + 1e-300 * float(b) ** order)
+        log_moment = math.log(value) + pairs * top - order * math.log(b) + allowance
+        divergences[order] = log_moment / (order - 1)
+    return divergences
+
+
+def remove_rdp_upper_bound(gram: np.ndarray, noise_multiplier: float, max_order: int = MAX_ORDER) -> np.ndarray:
+    """Upper bounds on D_alpha(Q||P) for alpha = 2..max_order: the exact low orders, else majorized."""
+    bound = majorized_remove_rdp(gram, noise_multiplier, max_order)
+    for order, value in exact_remove_rdp(gram, noise_multiplier).items():
+        if order <= max_order:
+            bound[order - 2] = min(bound[order - 2], value)
+    return bound
 
 
 def add_rdp_upper_bound(gram: np.ndarray, noise_multiplier: float, max_order: int = MAX_ORDER) -> np.ndarray:
@@ -89,18 +148,35 @@ def rdp_delta(rdp: np.ndarray, epsilon: float) -> float:
 class BallsInBinsRDP:
     """Rigorous amplified balls-in-bins bound via Renyi divergences; never worse than ``rigorous``.
 
-    ``rdp[i]`` is the bound on max(D_alpha(Q||P), D_alpha(P||Q)) for alpha = i + 2.
+    ``remove[i]`` bounds D_alpha(Q||P) and ``add[i]`` bounds D_alpha(P||Q), alpha = i + 2; each
+    direction is converted on its own and the run's epsilon is the larger.
     """
 
     rigorous: object  # BallsInBins
-    rdp: np.ndarray
+    remove: np.ndarray
+    add: np.ndarray
 
     is_guarantee = True
+
+    @property
+    def rdp(self) -> np.ndarray:
+        """The bound on max(D_alpha(Q||P), D_alpha(P||Q)) for alpha = i + 2 (the mechanism's RDP)."""
+        return np.maximum(self.remove, self.add)
 
     @property
     def priced_noise(self) -> PricedNoise:
         """The same noise as the unamplified bound: the bound inner mechanism and sigma."""
         return self.rigorous.priced_noise
+
+    @property
+    def mechanism(self):
+        """The resolved mechanism the noise engine must run (the unamplified bound's)."""
+        return self.rigorous.mechanism
+
+    @property
+    def participation(self):
+        """The participation the sampler guarantees: (n_steps, min_sep=num_bins, ceil(n_steps/num_bins))."""
+        return self.rigorous.participation
 
     @property
     def dp_event(self):
@@ -111,30 +187,34 @@ class BallsInBinsRDP:
 
     @property
     def orders(self) -> np.ndarray:
-        return np.arange(2, self.rdp.shape[0] + 2)
+        return np.arange(2, self.remove.shape[0] + 2)
 
     @property
     def description(self) -> str:
         return (
             f"balls-in-bins, {self.rigorous.num_bins} bins over {self.rigorous.n_steps} steps: rigorous "
-            "amplified upper bound (Renyi divergence of the dominating pair, orders 2.."
-            f"{self.rdp.shape[0] + 1}, converted by CKS20 Prop. 12), capped by the unamplified bound "
-            f"({self.rigorous.bound.description})"
+            "amplified upper bound (Renyi divergences of the dominating pair, orders 2.."
+            f"{self.remove.shape[0] + 1}, each direction converted by CKS20 Prop. 12), capped by the "
+            f"unamplified bound ({self.rigorous.bound.description})"
         )
 
     def epsilon_at(self, delta: float) -> float:
         delta = check_delta(delta)
-        return min(rdp_epsilon(self.rdp, delta), self.rigorous.epsilon_at(delta))
+        amplified = max(rdp_epsilon(self.remove, delta), rdp_epsilon(self.add, delta))
+        return min(amplified, self.rigorous.epsilon_at(delta))
 
     def delta_at(self, epsilon: float) -> float:
         epsilon = check_epsilon(epsilon)
-        return min(rdp_delta(self.rdp, epsilon), self.rigorous.delta_at(epsilon))
+        amplified = max(rdp_delta(self.remove, epsilon), rdp_delta(self.add, epsilon))
+        return min(amplified, self.rigorous.delta_at(epsilon))
 
 
 def rdp_allocation(rigorous) -> BallsInBinsRDP:
     """Build the RDP bound for the run priced (unamplified) by ``rigorous``."""
     gram = bin_gram_of_run(rigorous, "rdp")
     sigma = rigorous.bound.noise_multiplier
-    rdp = np.maximum(remove_rdp_upper_bound(gram, sigma), add_rdp_upper_bound(gram, sigma))
-    rdp.setflags(write=False)
-    return BallsInBinsRDP(rigorous, rdp)
+    remove = remove_rdp_upper_bound(gram, sigma)
+    add = add_rdp_upper_bound(gram, sigma)
+    remove.setflags(write=False)
+    add.setflags(write=False)
+    return BallsInBinsRDP(rigorous, remove, add)
