@@ -32,7 +32,8 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.special import gammaln, logsumexp
+from numpy.lib.stride_tricks import sliding_window_view
+from scipy.special import gammaln
 
 from opake.accounting.process import check_delta, check_epsilon
 from opake.dpftrl.accounting.bin_gram import bin_gram_of_run
@@ -44,11 +45,13 @@ MAX_ORDER = 256
 def _log_polynomial_product(log_a: np.ndarray, log_b: np.ndarray) -> np.ndarray:
     """Log coefficients of the product of two polynomials given by log coefficients, truncated."""
     degree = log_a.shape[0] - 1
-    # skewed[i, i + j] = log_a[i] + log_b[j]; column k then holds every pair with i + j = k
-    skewed = np.full((degree + 1, 2 * degree + 1), -np.inf)
-    rows = np.arange(degree + 1)[:, None]
-    skewed[rows, rows + np.arange(degree + 1)[None, :]] = log_a[:, None] + log_b[None, :]
-    return logsumexp(skewed[:, : degree + 1], axis=0)
+    # shifted[i, k] = log_b[k - i], -inf for k < i: column k then holds every pair with i + j = k
+    padded = np.concatenate([np.full(degree, -np.inf), log_b])
+    shifted = sliding_window_view(padded, degree + 1)[::-1]
+    terms = log_a[:, None] + shifted
+    top = terms.max(axis=0)
+    top = np.where(np.isfinite(top), top, 0.0)
+    return top + np.log(np.exp(terms - top).sum(axis=0))
 
 
 def majorized_remove_rdp(gram: np.ndarray, noise_multiplier: float, max_order: int = MAX_ORDER) -> np.ndarray:
