@@ -23,6 +23,7 @@ from opake.dpftrl.accounting.rdp_allocation import (
     rdp_delta,
     rdp_epsilon,
     remove_rdp_upper_bound,
+    weighted_add_rdp,
 )
 from opake.dpftrl.noise import blt_strategy, identity_strategy
 
@@ -124,6 +125,38 @@ def test_add_bound_holds_for_the_identity_by_quadrature():
         exact = math.log((weights * mean_u ** (-(order - 1))).sum()) / (order - 1)
         assert exact <= bound[order - 2]
         assert bound[order - 2] < order / (2 * sigma**2)  # and below the unamplified Gaussian RDP
+
+
+def _quadrature_add_rdp(gram, sigma, orders):
+    """D_alpha(P||Q) for b = 2 by 2-D Gauss-Hermite quadrature: E_P[R^-(alpha-1)], R = mean_j X_j."""
+    nodes, node_weights = np.polynomial.hermite_e.hermegauss(160)
+    node_weights = node_weights / node_weights.sum()
+    factor = np.linalg.cholesky(gram / sigma**2)
+    z = np.stack(np.meshgrid(nodes, nodes, indexing="ij"), axis=-1).reshape(-1, 2)
+    w = (node_weights[:, None] * node_weights[None, :]).reshape(-1)
+    log_x = z @ factor.T - np.diag(gram) / (2 * sigma**2)           # ln X_j at each node
+    log_r = logsumexp(log_x, axis=1) - math.log(2)
+    return np.array([logsumexp(-(a - 1) * log_r, b=w) / (a - 1) for a in orders])
+
+
+@pytest.mark.parametrize("sigma", [1.0, 2.0])
+def test_weighted_add_bounds_hold_by_quadrature_for_a_correlated_pair_of_bins(sigma):
+    orders = np.arange(2, 7)
+    # the quadrature itself: two (almost) identical bins are one Gaussian, alpha S^2 / (2 sigma^2)
+    twins = np.array([[5.25, 5.25 - 1e-9], [5.25 - 1e-9, 5.25]])
+    np.testing.assert_allclose(_quadrature_add_rdp(twins, sigma, orders), orders * 5.25 / (2 * sigma**2), rtol=1e-6)
+    gram = np.array([[5.25, 2.5], [2.5, 3.1]])  # unequal bins: the first bin reaches further
+    exact = _quadrature_add_rdp(gram, sigma, orders)
+    uniform = weighted_add_rdp(gram, sigma, np.array([0.5, 0.5]), max_order=6)
+    best = add_rdp_upper_bound(gram, sigma, max_order=6)
+    assert np.all(exact <= best * (1 + 1e-9))
+    assert np.all(best <= uniform + 1e-12)
+    assert best[0] < uniform[0] - 1e-3  # the weights help when the bins differ
+    rng = np.random.default_rng(0)
+    for _ in range(20):  # every weight vector gives a valid bound
+        pi = rng.dirichlet([1.0, 1.0])
+        assert np.all(exact <= weighted_add_rdp(gram, sigma, pi, max_order=6) * (1 + 1e-9))
+    assert np.all(exact <= weighted_add_rdp(gram, sigma, np.array([1.0, 0.0]), max_order=6) * (1 + 1e-9))
 
 
 def test_one_bin_is_the_gaussian_rdp_in_both_directions():
