@@ -53,3 +53,17 @@ def test_plot(tmp_path, capsys):
     assert main(["plan", "--n-steps", "200", "--min-sep", "20", "--max-participations", "2",
                  "--max-buffers", "2", "--plot", str(path)]) == 0
     assert path.stat().st_size > 1000
+
+
+def test_context_mode_keeps_its_unamplified_caveat(capsys):
+    assert main(["plan", "--n-steps", "200", "--min-sep", "20", "--max-participations", "2",
+                 "--max-buffers", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "no amplification" in out and "without amplification" in out
+    assert "--num-examples, --batch-size, --epochs" in out  # where the Poisson DP-SGD comparison is
+
+
+def test_context_options_alone_still_default_the_others(capsys):
+    report = _plan_json(capsys, "--n-steps", "300", "--max-buffers", "2")
+    assert report["context"] == {"n_steps": 300, "min_sep": 100, "max_participations": 5,
+                                 "effective_participations": 3}

@@ -5,7 +5,9 @@ horizon, checkpoints, frozen parameters, model fixes and the errors raised befor
 from __future__ import annotations
 
 import io
+import math
 
+import dp_accounting
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,7 +16,7 @@ from torch.func import functional_call
 
 import opake.dpftrl.accounting as dpftrl_acc
 from opake.dpftrl.clipping import clipped_grad
-from opake.dpftrl.noise import blt_strategy, mf_gaussian_noise
+from opake.dpftrl.noise import band_mf_strategy, blt_strategy, identity_strategy, mf_gaussian_noise
 from opake.dpftrl.sampling import BallsInBinsSampler
 from opake.random import key
 from opake.torch import PlanExhaustedError, fix_model, make_private, validate_model
@@ -110,9 +112,13 @@ def test_steps_equal_the_functional_layer_with_the_same_keys():
         params = {name: params[name] - 0.1 * noisy.pytree[name] for name in params}
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.detach(), params[name], rtol=1e-5, atol=1e-6)
-    # The plan's epsilon is the accountant's for the sampler's participation.
-    accountant = dpftrl_acc.mf_gaussian(1.3, strategy, context.n_steps, context.min_sep, context.max_participations)
-    assert private.epsilon == pytest.approx(accountant.epsilon_at(1e-5), rel=1e-12)
+    # The plan's epsilon is the amplified balls-in-bins bound (the default, amplification=True),
+    # which is capped by the unamplified bound for the sampler's participation.
+    unamplified = dpftrl_acc.mf_gaussian(1.3, strategy, context.n_steps, context.min_sep, context.max_participations)
+    amplified = dpftrl_acc.balls_in_bins(dpftrl_acc.mf_gaussian(1.3, strategy), num_bins=5, n_steps=10, method="rdp")
+    assert private.plan.accounting == "rdp" and private.plan.sampling == "balls_in_bins"
+    assert private.epsilon == pytest.approx(amplified.epsilon_at(1e-5), rel=1e-12)
+    assert private.epsilon <= unamplified.epsilon_at(1e-5)
 
 
 def test_a_resumed_run_replays_to_the_same_parameters(tmp_path):
@@ -188,6 +194,12 @@ def _make(model=None, **overrides):
 
 @pytest.mark.parametrize("overrides, error, pattern", [
     (dict(batch_size=21), ValueError, r"20 examples, fewer than batch_size=21"),
+    (dict(sampling="uniform"), ValueError, r"sampling must be one of \('balls_in_bins', 'poisson'\)"),
+    (dict(amplification="yes"), TypeError, r"amplification must be True or False"),
+    (dict(sampling="poisson", strategy=identity_strategy(), amplification=False), ValueError,
+     r"amplification=False applies to sampling='balls_in_bins'"),
+    (dict(sampling="poisson", strategy=band_mf_strategy(bands=5)), ValueError,
+     r"sample rate batch_size \* groups / len\(dataset\) = 25/20 > 1; use at most 4 bands"),
     (dict(target_epsilon=1e-9), ValueError, r"target_epsilon=1e-09 .* cannot be met"),
     (dict(optimizer=torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)), ValueError, "not parameters of the module"),
     (dict(target_delta=None), TypeError, "needs target_delta"),
@@ -261,3 +273,115 @@ def test_a_parameter_used_outside_its_layer_is_caught_on_the_first_step(direct):
     else:
         private.optimizer.step()
         assert private.steps_taken == 1
+
+
+def _hooks(module: nn.Module) -> int:
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks) for m in module.modules())
+
+
+def _train(private, model):
+    for xb, yb in private.data_loader:
+        private.optimizer.zero_grad()
+        F.cross_entropy(model(xb), yb).backward()
+        private.optimizer.step()
+
+
+@pytest.mark.parametrize("strategy, groups", [(identity_strategy(), 1), (band_mf_strategy(bands=2), 2)])
+def test_poisson_sampling_trains_and_its_epsilon_is_the_pld_of_band23_thm4(strategy, groups):
+    """DP-SGD (identity) and BandMF under cyclic Poisson sampling: the plan's epsilon is the PLD of
+    PoissonSampled(q, Gaussian(sigma / ||c||)) composed ceil(n / g) times, rebuilt here from
+    dp_accounting directly."""
+    generator = torch.Generator().manual_seed(2)
+    dataset = torch.utils.data.TensorDataset(torch.randn(60, 5, generator=generator),
+                                             torch.randint(0, 3, (60,), generator=generator))
+    model = _loss_sum_model()
+    before = [p.detach().clone() for p in model.parameters()]
+    private = make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), dataset=dataset,
+                           batch_size=6, epochs=2, target_epsilon=3.0, target_delta=1e-5, max_grad_norm=1.0,
+                           strategy=strategy, sampling="poisson", key=key(3))
+    plan = private.plan
+    q = 6 * groups / 60
+    assert (plan.sampling, plan.accounting, plan.num_groups, plan.num_bins) == ("poisson", "pld", groups, None)
+    assert plan.sample_rate == pytest.approx(q) and plan.expected_batch_size == pytest.approx(6.0)
+    assert plan.participation.n_steps == 20 and plan.participation.min_sep == groups
+    _train(private, model)
+    assert private.steps_taken == 20
+    assert any(not torch.equal(a, b.detach()) for a, b in zip(before, model.parameters()))
+
+    coefficients = strategy.resolve(20, groups, math.ceil(20 / groups)).toeplitz_coefficients(groups)
+    column_norm = math.sqrt(float((coefficients ** 2).sum()))
+    accountant = dp_accounting.pld.PLDAccountant(dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE,
+                                                 value_discretization_interval=1e-4)
+    gaussian = dp_accounting.GaussianDpEvent(private.noise_multiplier / column_norm)
+    event = dp_accounting.PoissonSampledDpEvent(q, gaussian)
+    accountant.compose(dp_accounting.SelfComposedDpEvent(event, math.ceil(20 / groups)))
+    assert private.epsilon == pytest.approx(accountant.get_epsilon(1e-5), rel=1e-9)
+    assert 2.9 < private.epsilon <= 3.0
+
+
+@pytest.mark.parametrize("strategy", [None, blt_strategy(max_buffers=3)])
+def test_poisson_sampling_with_a_blt_is_refused_before_the_module_is_touched(strategy):
+    model = _loss_sum_model()
+    state = {name: value.clone() for name, value in model.state_dict().items()}
+    with pytest.raises(dpftrl_acc.UnsupportedAmplificationError,
+                       match=r"sampling='poisson' needs a banded strategy.*band_mf_strategy.*identity_strategy"
+                             r".*sampling='balls_in_bins'"):
+        _make(model=model, sampling="poisson", strategy=strategy)
+    assert _hooks(model) == 0
+    assert all(torch.equal(value, state[name]) for name, value in model.state_dict().items())
+
+
+def test_amplification_never_needs_more_noise_than_the_unamplified_bound():
+    amplified = _make(batch_size=4, epochs=1)                       # 5 bins, one epoch: amplification helps
+    unamplified = _make(batch_size=4, epochs=1, amplification=False)
+    assert (amplified.plan.accounting, unamplified.plan.accounting) == ("rdp", "rigorous")
+    assert amplified.noise_multiplier < unamplified.noise_multiplier
+    assert amplified.epsilon <= 3.0 and unamplified.epsilon <= 3.0
+    assert "amplified" in amplified.plan.accountant.description
+    assert "without amplification" in unamplified.plan.accountant.description
+
+
+def test_amplification_refuses_a_strategy_with_negative_coefficients():
+    from test_dpftrl_accounting_gaussian import HandBLTRecipe
+
+    model = _loss_sum_model()
+    signed = HandBLTRecipe(theta=(0.5,), omega=(-0.3,))              # c_1 = -0.3
+    with pytest.raises(ValueError, match=r"non-negative entries, and this strategy's has a negative one. "
+                                         r"Pass amplification=False"):
+        _make(model=model, strategy=signed)
+    assert _hooks(model) == 0
+
+
+def test_a_checkpoint_of_one_sampling_does_not_load_into_another():
+    dataset = torch.utils.data.TensorDataset(torch.randn(20, 5), torch.randint(0, 3, (20,)))
+
+    def run(**options):
+        model = _loss_sum_model()
+        return make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), dataset=dataset,
+                            batch_size=5, epochs=1, noise_multiplier=2.0, target_delta=1e-5, max_grad_norm=1.0,
+                            strategy=identity_strategy(), key=key(0), **options)
+
+    poisson, bins = run(sampling="poisson"), run()
+    unamplified = run(amplification=False)
+    assert poisson.state_dict()["plan"]["sampling"] == "poisson"
+    assert poisson.state_dict()["plan"]["sample_rate"] == pytest.approx(0.25)
+    for source, target in ((poisson, bins), (bins, poisson), (bins, unamplified)):
+        with pytest.raises(ValueError, match=r"another plan or key \(different sampling"):
+            target.load_state_dict(source.state_dict(), draws="replay")
+    run().load_state_dict(bins.state_dict(), draws="replay")      # the same plan loads
+
+
+def test_a_checkpoint_saved_before_sampling_existed_loads_into_the_unamplified_run():
+    dataset = torch.utils.data.TensorDataset(torch.randn(20, 5), torch.randint(0, 3, (20,)))
+
+    def run(**options):
+        model = _loss_sum_model()
+        return make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), dataset=dataset,
+                            batch_size=5, epochs=1, noise_multiplier=2.0, target_delta=1e-5, max_grad_norm=1.0,
+                            key=key(0), **options)
+
+    saved = run(amplification=False).state_dict()
+    saved["plan"] = {name: saved["plan"][name] for name in ("n_steps", "num_bins", "noise_multiplier", "max_grad_norm")}
+    run(amplification=False).load_state_dict(saved, draws="replay")
+    with pytest.raises(ValueError, match="another plan"):
+        run().load_state_dict(saved, draws="replay")

@@ -1,27 +1,55 @@
 """Plan a run: resolve strategies for a participation context and calibrate them to a budget.
 
-For each strategy the noise multiplier is the smallest one meeting (epsilon, delta) for the
-context, without amplification (``mf_gaussian``: one Gaussian with noise multiplier
-sigma / S). With clipping norm 1, the error of step t's prefix sum of noisy gradients has
-standard deviation sigma * sqrt(e_t), so the table's RMSE values are sigma * sqrt(max_t e_t)
-and sigma * sqrt(mean_t e_t); strategies are compared at equal privacy.
+``plan_run`` (a participation context): for each strategy the noise multiplier is the smallest
+one meeting (epsilon, delta) for the context, without amplification (``mf_gaussian``: one
+Gaussian with noise multiplier sigma / S).
+
+``plan_dataset`` (a data set, a batch size and a number of epochs): each strategy with the
+sampler it is run with and the accountant that prices that sampler, amplified where a proven
+amplified bound exists (balls-in-bins RDP for BLT, Band23 Thm 4 PLD for BandMF and Poisson
+DP-SGD), with the unamplified rows kept for reference.
+
+Error: with clipping norm 1, the error of step t's prefix sum of the noise has standard
+deviation sigma * sqrt(e_t), e_t the squared norm of row t of A C^{-1} (A the prefix sums), so
+the tables' RMSE values are sigma * sqrt(max_t e_t) and sigma * sqrt(mean_t e_t); strategies
+are compared at equal privacy. This is the noise alone, before dividing by the batch size;
+the extra variance of a Poisson batch size is not counted.
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 from opake.accounting import calibrate, epsilon_budget
-from opake.dpftrl.accounting import mf_gaussian
-from opake.dpftrl.noise import blt_strategy, identity_strategy
+from opake.accounting.gaussian import gaussian
+from opake.dpftrl.accounting import balls_in_bins, mf_gaussian, poisson
+from opake.dpftrl.noise import band_mf_strategy, blt_strategy, identity_strategy
 from opake.dpftrl.participation import Participation
 
 _FLOAT32_BYTES = 4
+_ERRORS = ("max", "mean")
+
+# PLD grid used only to *choose* the number of bands (ranking candidates); the chosen strategy
+# is then calibrated on poisson()'s default grid (1e-4). At 1e-3 the epsilons of the candidates
+# differ from the 1e-4 ones by about 1e-4 relative at epsilon ~ 3, far below the gaps between
+# candidates, and each PLD evaluation is about 8x faster.
+CHOICE_DISCRETIZATION = 1e-3
+_CHOICE_RTOL = 1e-4
+_RTOL = 1e-5
+_SIGMA_RANGE = (1e-2, 1e4)
 
 
 @dataclass(frozen=True)
 class PlanRow:
+    """One strategy at the plan's (epsilon, delta).
+
+    ``sampling`` and ``accounting`` say, in words, which batches the row assumes and how they
+    were priced (``plan_dataset``; empty for ``plan_run``, whose context fixes both);
+    ``process`` is the calibrated privacy process (None for ``plan_run``).
+    """
+
     name: str
     strategy: object
     mechanism: object
@@ -31,14 +59,62 @@ class PlanRow:
     rmse_max: float
     rmse_mean: float
     state_bytes_per_parameter: int
+    sampling: str = ""
+    accounting: str = ""
+    process: object = None
+
+
+@dataclass(frozen=True)
+class DatasetRun:
+    """Training on ``num_examples`` examples, ``batch_size`` per step (expected), for ``epochs``.
+
+    Derived: ``num_bins = num_examples // batch_size`` steps per epoch (the balls-in-bins bins),
+    ``n_steps = epochs * num_bins``, ``sample_rate = batch_size / num_examples`` (Poisson DP-SGD).
+    """
+
+    num_examples: int
+    batch_size: int
+    epochs: int
+
+    def __post_init__(self):
+        for name in ("num_examples", "batch_size", "epochs"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise TypeError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+            object.__setattr__(self, name, int(value))
+        if self.batch_size > self.num_examples:
+            raise ValueError(
+                f"batch_size ({self.batch_size}) must be <= num_examples ({self.num_examples}): a step "
+                f"cannot use more examples than the data set holds; lower the batch size"
+            )
+
+    @property
+    def num_bins(self) -> int:
+        return self.num_examples // self.batch_size
+
+    @property
+    def n_steps(self) -> int:
+        return self.epochs * self.num_bins
+
+    @property
+    def sample_rate(self) -> float:
+        return self.batch_size / self.num_examples
 
 
 @dataclass(frozen=True)
 class Plan:
+    """Rows calibrated to (epsilon, delta). ``participation`` is the planned context (for
+    ``plan_dataset``, the balls-in-bins one: min_sep = steps per epoch, max_participations =
+    epochs; each row's own is ``row.mechanism.participation``); ``dataset`` is None for
+    ``plan_run``."""
+
     participation: Participation
     epsilon: float
     delta: float
     rows: tuple
+    dataset: DatasetRun | None = None
 
 
 def plan_run(
@@ -66,16 +142,217 @@ def plan_run(
             lambda sigma, s=strategy: mf_gaussian(sigma, s, ctx.n_steps, ctx.min_sep, ctx.max_participations),
             param_min=1e-3, param_max=1e4,
         )
-        sigma = result.param
-        error_max = mech.max_loss / mech.sensitivity**2
-        error_mean = mech.mean_loss / mech.sensitivity**2
-        rows.append(PlanRow(
-            name=name, strategy=strategy, mechanism=mech, noise_multiplier=sigma,
-            epsilon=result.epsilon, delta=result.delta,
-            rmse_max=sigma * math.sqrt(error_max), rmse_mean=sigma * math.sqrt(error_mean),
-            state_bytes_per_parameter=_FLOAT32_BYTES * _state_floats(mech),
-        ))
+        rows.append(_row(name, strategy, mech, result))
     return Plan(participation=ctx, epsilon=float(epsilon), delta=float(delta), rows=tuple(rows))
+
+
+def cyclic_poisson_bands(
+    num_examples: int,
+    batch_size: int,
+    epochs: int,
+    epsilon: float,
+    delta: float,
+    *,
+    error: str = "max",
+) -> int:
+    """Number of bands for BandMF under cyclic Poisson sampling (Band23 Thm 4) for this run.
+
+    Rule. With num_bins = num_examples // batch_size and n_steps = epochs * num_bins, the
+    candidates are b in {1, 2, 4, 8, ...} with b <= max(1, num_bins // 2). Candidate b runs
+    ``CyclicPoissonSampler(num_examples, num_groups=b, sample_rate=q)`` with
+    q = batch_size * b / num_examples (expected batch size batch_size) and strategy
+    ``identity_strategy()`` for b = 1 (DP-SGD with Poisson sampling) or
+    ``band_mf_strategy(bands=b, error=error)``. Its noise multiplier sigma_b is calibrated to
+    (epsilon, delta) over ``poisson(mf_gaussian(sigma, strategy), q, n_steps)``, and its RMSE is
+    sigma_b * sqrt(max_t e_t) (``error="max"``) or sigma_b * sqrt(mean_t e_t) (``"mean"``) of the
+    noise's prefix sums. The returned b has the smallest RMSE; ties go to fewer bands.
+
+    More bands spread the noise's correlation further but raise q (b times) and divide the
+    compositions by b, so amplification weakens: the choice is the trade-off between the two.
+
+    Speed: the ranking uses a PLD grid of ``CHOICE_DISCRETIZATION`` (1e-3, coarser than
+    ``poisson``'s default 1e-4) and a relative tolerance of 1e-4 on sigma; the chosen strategy is
+    calibrated again on the default grid by ``plan_dataset``.
+    """
+    run = DatasetRun(num_examples, batch_size, epochs)
+    return _best(_band_candidates(run, epsilon_budget(epsilon, delta), _check_error(error)))[0]
+
+
+def plan_dataset(
+    num_examples: int,
+    batch_size: int,
+    epochs: int,
+    epsilon: float,
+    delta: float,
+    *,
+    max_buffers: int = 10,
+    error: str = "max",
+) -> Plan:
+    """Calibrated comparison for a data set: each strategy with its sampler and accountant.
+
+    Rows, all at (epsilon, delta) and with expected batch size ``batch_size``:
+
+    * "BLT", balls-in-bins sampler (num_bins = num_examples // batch_size bins, min_sep =
+      num_bins, max_participations = epochs), unamplified (``balls_in_bins``, rigorous);
+    * "BLT amplified", same sampler, the proven amplified Renyi bound (``method="rdp"``);
+    * "BandMF", cyclic Poisson with ``cyclic_poisson_bands`` groups, PLD (Band23 Thm 4);
+    * "DP-SGD Poisson", Poisson sampling at rate batch_size / num_examples each step, PLD: the
+      DP-SGD Opacus users run;
+    * "DP-SGD unampl.", balls-in-bins without amplification, for reference.
+
+    RMSE values are of the noise alone (clip norm 1, before dividing by the batch size); the
+    variance of Poisson batch sizes is not counted.
+    """
+    run = DatasetRun(num_examples, batch_size, epochs)
+    budget = epsilon_budget(epsilon, delta)
+    error = _check_error(error)
+    num_bins, n = run.num_bins, run.n_steps
+    ctx = Participation(n, num_bins, -(-n // num_bins))
+    bins = f"balls-in-bins: {num_bins} bins, bin t mod {num_bins} at step t"
+    unamplified = f"unamplified Gaussian bound (min_sep={num_bins}, k={ctx.max_participations})"
+    rows = []
+    for name, strategy in (("BLT", blt_strategy(max_buffers=max_buffers, error=error)),
+                           ("DP-SGD unampl.", identity_strategy())):
+        mech = strategy.resolve(ctx)
+        result = calibrate(
+            budget,
+            lambda sigma, s=strategy: balls_in_bins(mf_gaussian(sigma, s), num_bins, n, method="rigorous"),
+            param_min=1e-3, param_max=1e4,
+        )
+        rows.append(_row(name, strategy, mech, result, bins, unamplified))
+    blt_row = rows[0]
+    amplified = _calibrated(
+        budget, lambda sigma: balls_in_bins(mf_gaussian(sigma, blt_row.strategy), num_bins, n, method="rdp"),
+        guess=blt_row.noise_multiplier, rtol=_RTOL, upper=blt_row.noise_multiplier,
+    )
+    rows.insert(1, _row("BLT amplified", blt_row.strategy, blt_row.mechanism, amplified, bins,
+                        "amplified Renyi bound for balls-in-bins (CKS20 conversion)"))
+
+    candidates = _band_candidates(run, budget, error)
+    bands, band_sigma, _ = _best(candidates)
+    q_bands = run.batch_size * bands / run.num_examples
+    band_strategy = identity_strategy() if bands == 1 else band_mf_strategy(bands=bands, error=error)
+    result = _refined(budget, lambda sigma: poisson(mf_gaussian(sigma, band_strategy), q_bands, n), band_sigma)
+    rows.insert(2, _row(
+        "BandMF", band_strategy, result.process.mechanism, result,
+        f"cyclic Poisson: {bands} group(s), rate {q_bands:.4g} in the served group",
+        f"PLD, Band23 Thm 4 ({bands} band(s){', i.e. DP-SGD' if bands == 1 else ''})",
+    ))
+    q = run.sample_rate
+    identity = identity_strategy()
+    result = _refined(budget, lambda sigma: poisson(mf_gaussian(sigma, identity), q, n), candidates[0][1])
+    rows.insert(3, _row("DP-SGD Poisson", identity, result.process.mechanism, result,
+                        f"Poisson: each example with probability {q:.4g} at every step", "PLD (as Opacus)"))
+    return Plan(participation=ctx, epsilon=budget.epsilon, delta=budget.delta, rows=tuple(rows), dataset=run)
+
+
+def _band_candidates(run: DatasetRun, budget, error: str) -> list:
+    """(bands, noise multiplier, RMSE) of every candidate of ``cyclic_poisson_bands``'s rule.
+
+    The noise multipliers are calibrated on the coarse ``CHOICE_DISCRETIZATION`` grid: good for
+    ranking and as starting points, not for running (``_refined`` recalibrates the chosen one).
+    """
+    candidates = []
+    bands = 1
+    while bands <= max(1, run.num_bins // 2):
+        q = run.batch_size * bands / run.num_examples
+        strategy = identity_strategy() if bands == 1 else band_mf_strategy(bands=bands, error=error)
+        compositions = -(-run.n_steps // bands)
+        mech = strategy.resolve(run.n_steps, bands, compositions)
+        column_norm = math.sqrt(math.fsum(float(v) ** 2 for v in getattr(mech, "coefs", (1.0,))))
+        result = _calibrated(
+            budget,
+            lambda sigma, s=strategy, q=q: poisson(mf_gaussian(sigma, s), q, run.n_steps,
+                                                   value_discretization_interval=CHOICE_DISCRETIZATION),
+            guess=column_norm * _poisson_sigma_guess(q, compositions, budget), rtol=_CHOICE_RTOL,
+        )
+        loss = mech.max_loss if error == "max" else mech.mean_loss
+        candidates.append((bands, result.param, result.param * math.sqrt(loss) / mech.sensitivity))
+        bands *= 2
+    return candidates
+
+
+def _best(candidates: list) -> tuple:
+    """The candidate with the smallest RMSE; ties go to fewer bands (candidates are in increasing bands)."""
+    best = candidates[0]
+    for candidate in candidates[1:]:
+        if candidate[2] < best[2]:
+            best = candidate
+    return best
+
+
+def _refined(budget, factory, coarse_sigma: float):
+    """Calibrate on the default PLD grid, starting from a noise multiplier found on a coarser one.
+
+    The grids' epsilons differ by ~1e-4 relative, so the answer is within 0.1% of
+    ``coarse_sigma``: a tight bracket takes a handful of slow fine-grid evaluations, not ~15.
+    """
+    return _calibrated(budget, factory, guess=coarse_sigma, rtol=_RTOL, spread=1.001)
+
+
+def _poisson_sigma_guess(sample_rate: float, compositions: int, budget) -> float:
+    """A starting point for calibrating Poisson-sampled Gaussian compositions (not a bound).
+
+    For small rates the composition behaves like one Gaussian with noise multiplier
+    sigma / (q sqrt(k)) (the central limit regime of Dong, Roth and Su 2022, mu ~ q sqrt(k) / sigma),
+    so sigma ~ q sqrt(k) sigma_gauss; below ~0.6 that approximation fails and the guess is 0.6.
+    """
+    sigma_gauss = calibrate(budget, gaussian, 1e-3, 1e4, rtol=1e-3).param
+    return max(0.6, sample_rate * math.sqrt(compositions) * sigma_gauss)
+
+
+def _calibrated(budget, factory, *, guess: float, rtol: float, spread: float = 2.0, upper: float | None = None):
+    """``calibrate`` in a bracket found by stepping out from [guess / spread, guess * spread] by factors of 4.
+
+    PLD evaluations are slow for small noise multipliers (wide privacy-loss ranges), so the
+    search starts near the answer instead of at ``_SIGMA_RANGE``'s ends; each process is built
+    once. ``upper`` is a noise multiplier already known to meet the budget.
+    """
+    processes = {}
+
+    def process(sigma):
+        if sigma not in processes:
+            processes[sigma] = factory(sigma)
+        return processes[sigma]
+
+    def meets(sigma) -> bool:
+        return process(sigma).epsilon_at(budget.delta) <= budget.epsilon
+
+    low, high = guess / spread, (guess * spread if upper is None else upper)
+    while not meets(high):
+        if high >= _SIGMA_RANGE[1]:
+            raise ValueError(
+                f"no noise multiplier up to {_SIGMA_RANGE[1]:g} meets epsilon={budget.epsilon:g}, "
+                f"delta={budget.delta:g} for this run; raise the budget or train fewer epochs"
+            )
+        low, high = high, high * 4.0
+    while meets(low):
+        if low <= _SIGMA_RANGE[0]:
+            raise ValueError(
+                f"even noise multiplier {low:g} meets epsilon={budget.epsilon:g}, delta={budget.delta:g}: "
+                f"the budget is too loose to plan; lower epsilon"
+            )
+        low, high = low / 4.0, low
+    return calibrate(budget, process, low, high, rtol=rtol)
+
+
+def _row(name, strategy, mech, result, sampling: str = "", accounting: str = "") -> PlanRow:
+    sigma = result.param
+    error_max = mech.max_loss / mech.sensitivity**2
+    error_mean = mech.mean_loss / mech.sensitivity**2
+    return PlanRow(
+        name=name, strategy=strategy, mechanism=mech, noise_multiplier=sigma,
+        epsilon=result.epsilon, delta=result.delta,
+        rmse_max=sigma * math.sqrt(error_max), rmse_mean=sigma * math.sqrt(error_mean),
+        state_bytes_per_parameter=_FLOAT32_BYTES * _state_floats(mech),
+        sampling=sampling, accounting=accounting, process=result.process if sampling else None,
+    )
+
+
+def _check_error(error) -> str:
+    if error not in _ERRORS:
+        raise ValueError(f"error must be one of {_ERRORS} (the prefix-sum error to minimize), got {error!r}")
+    return error
 
 
 def _state_floats(mech) -> int:

@@ -2,7 +2,8 @@
 
 ``make_private(module=, optimizer=, dataset=, batch_size=, epochs=, target_epsilon=,
 target_delta=, max_grad_norm=)`` plans the run and returns the module, a ``DPOptimizer`` and a
-DataLoader for the user's unchanged loop (docs/torch.md). ``fix_model`` / ``validate_model``
+DataLoader for the user's unchanged loop (docs/torch.md); ``sampling=`` ("balls_in_bins" or
+"poisson") and ``amplification=`` choose the sampler and its proven accountant. ``fix_model`` / ``validate_model``
 deal with layers that mix examples (BatchNorm). ``opake.torch.per_example`` is the per-example
 clipping engine (hooks, ghost norms) underneath. Nothing below this package imports it.
 """

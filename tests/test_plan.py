@@ -1,0 +1,187 @@
+"""Planning from a data set: the bands rule, the calibrated rows, and ``opake plan --num-examples``.
+
+The references are independent of the planner: dp_accounting's PLD accountant called directly
+(Poisson DP-SGD and cyclic Poisson BandMF, Band23 Thm 4), dp_accounting's Gaussian calibration
+(the unamplified DP-SGD row), and the prefix-sum error of a dense C^{-1} (numpy solve).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import re
+
+import dp_accounting
+import numpy as np
+import pytest
+from dp_accounting.pld import PLDAccountant
+
+import opake.cli
+from opake.accounting import calibrate, epsilon_budget
+from opake.cli import main
+from opake.dpftrl.accounting import mf_gaussian, poisson
+from opake.dpftrl.noise import band_mf_strategy, identity_strategy
+from opake.plan import cyclic_poisson_bands, plan_dataset
+
+# 600 examples, 30 per step: 20 steps per epoch, 4 epochs, n_steps = 80, q = 0.05.
+NUM_EXAMPLES, BATCH_SIZE, EPOCHS, EPSILON, DELTA = 600, 30, 4, 3.0, 1e-5
+N_STEPS = EPOCHS * (NUM_EXAMPLES // BATCH_SIZE)
+NAMES = ["BLT", "BLT amplified", "BandMF", "DP-SGD Poisson", "DP-SGD unampl."]
+
+
+@functools.lru_cache(maxsize=None)
+def _cached_plan(*args, **kwargs):
+    return plan_dataset(*args, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def plan():
+    return _cached_plan(NUM_EXAMPLES, BATCH_SIZE, EPOCHS, EPSILON, DELTA, max_buffers=10, error="max")
+
+
+@functools.lru_cache(maxsize=None)
+def _chosen_bands():
+    return cyclic_poisson_bands(NUM_EXAMPLES, BATCH_SIZE, EPOCHS, EPSILON, DELTA)
+
+
+@pytest.fixture
+def cli_shares_the_plan(monkeypatch):
+    """The CLI tests plan the same run as the fixture; compute it once."""
+    monkeypatch.setattr(opake.cli, "plan_dataset", _cached_plan)
+
+
+def _pld_epsilon(sample_rate, noise_multiplier, count, delta=DELTA, interval=1e-4):
+    accountant = PLDAccountant(dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE,
+                               value_discretization_interval=interval)
+    accountant.compose(dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(sample_rate, dp_accounting.GaussianDpEvent(noise_multiplier)), count))
+    return accountant.get_epsilon(delta)
+
+
+def _dense_prefix_errors(coefs, n):
+    """e_t = ||row t of A C^{-1}||^2, A the prefix-sum matrix, C banded Toeplitz (dense)."""
+    c = np.zeros((n, n))
+    for lag, value in enumerate(coefs):
+        c += np.diag(np.full(n - lag, value), -lag)
+    workload = np.tril(np.ones((n, n)))
+    return np.sum(np.linalg.solve(c.T, workload.T).T ** 2, axis=1)
+
+
+def _candidate_rmse(bands):
+    """The bands rule for one candidate, recomputed from the public accounting API."""
+    q = BATCH_SIZE * bands / NUM_EXAMPLES
+    strategy = identity_strategy() if bands == 1 else band_mf_strategy(bands=bands)
+    result = calibrate(
+        epsilon_budget(EPSILON, DELTA),
+        lambda sigma: poisson(mf_gaussian(sigma, strategy), q, N_STEPS, value_discretization_interval=1e-3),
+        0.5, 20.0, rtol=1e-4,
+    )
+    coefs = [1.0] if bands == 1 else result.process.mechanism.coefs
+    return result.param * math.sqrt(np.max(_dense_prefix_errors(coefs, N_STEPS)))
+
+
+def test_cyclic_poisson_bands_picks_the_smallest_error_candidate():
+    bands = _chosen_bands()
+    assert bands in (1, 2, 4, 8)  # powers of 2 up to num_bins // 2 = 10
+    neighbour = 2 if bands != 2 else 4
+    assert _candidate_rmse(bands) < _candidate_rmse(neighbour)
+
+
+def test_cyclic_poisson_bands_refuses_bad_input():
+    with pytest.raises(ValueError, match="batch_size .* must be <= num_examples"):
+        cyclic_poisson_bands(30, 60, 2, EPSILON, DELTA)
+    with pytest.raises(ValueError, match="error must be one of"):
+        cyclic_poisson_bands(NUM_EXAMPLES, BATCH_SIZE, EPOCHS, EPSILON, DELTA, error="median")
+
+
+def test_every_row_is_calibrated_to_the_budget(plan):
+    assert [r.name for r in plan.rows] == NAMES
+    for row in plan.rows:
+        assert EPSILON * (1 - 1e-3) < row.epsilon <= EPSILON, row.name
+        assert row.delta <= DELTA
+        assert row.sampling and row.accounting and row.process is not None
+        assert row.process.epsilon_at(DELTA) == pytest.approx(row.epsilon, rel=1e-12)
+
+
+def test_blt_amplified_needs_no_more_noise_than_unamplified(plan):
+    rows = {r.name: r for r in plan.rows}
+    assert rows["BLT amplified"].noise_multiplier <= rows["BLT"].noise_multiplier
+    assert rows["BLT amplified"].mechanism == rows["BLT"].mechanism
+    assert rows["BLT amplified"].process.is_guarantee
+
+
+def test_poisson_dpsgd_matches_dp_accounting(plan):
+    row = {r.name: r for r in plan.rows}["DP-SGD Poisson"]
+    sigma, q = row.noise_multiplier, BATCH_SIZE / NUM_EXAMPLES
+    independent = _pld_epsilon(q, sigma, N_STEPS)
+    assert independent == pytest.approx(row.epsilon, rel=1e-9)
+    assert independent <= EPSILON < _pld_epsilon(q, sigma * (1 - 1e-4), N_STEPS)
+    assert row.rmse_max == pytest.approx(sigma * math.sqrt(N_STEPS), rel=1e-12)
+    assert row.rmse_mean == pytest.approx(sigma * math.sqrt((N_STEPS + 1) / 2), rel=1e-12)
+    assert row.state_bytes_per_parameter == 0
+
+
+def test_bandmf_row_is_band23_thm4_at_the_chosen_bands(plan):
+    row = {r.name: r for r in plan.rows}["BandMF"]
+    bands = _chosen_bands()
+    coefs = [1.0] if bands == 1 else row.mechanism.coefs
+    assert len(coefs) == bands and row.process.num_groups == bands
+    q = BATCH_SIZE * bands / NUM_EXAMPLES
+    assert row.process.sample_rate == pytest.approx(q, rel=1e-15)
+    column_norm = math.sqrt(sum(float(c) ** 2 for c in coefs))
+    independent = _pld_epsilon(q, row.noise_multiplier / column_norm, -(-N_STEPS // bands))
+    assert independent == pytest.approx(row.epsilon, rel=1e-9)
+    errors = _dense_prefix_errors(coefs, N_STEPS)
+    assert row.rmse_max == pytest.approx(row.noise_multiplier * math.sqrt(errors.max()), rel=1e-9)
+    assert row.rmse_mean == pytest.approx(row.noise_multiplier * math.sqrt(errors.mean()), rel=1e-9)
+    assert row.state_bytes_per_parameter == 4 * (bands - 1)
+
+
+def test_unamplified_dpsgd_is_the_composed_gaussian(plan):
+    row = {r.name: r for r in plan.rows}["DP-SGD unampl."]
+    # each example in one bin: EPOCHS participations, one Gaussian with sigma / sqrt(EPOCHS)
+    sigma_gaussian = dp_accounting.get_sigma_gaussian(EPSILON, DELTA)
+    assert row.noise_multiplier / math.sqrt(EPOCHS) == pytest.approx(sigma_gaussian, rel=1e-5)
+    assert "unamplified" in row.accounting
+
+
+def test_cli_text_states_the_ratio_and_what_is_not_counted(plan, cli_shares_the_plan, capsys):
+    assert main(["plan", "--num-examples", str(NUM_EXAMPLES), "--batch-size", str(BATCH_SIZE),
+                 "--epochs", str(EPOCHS), "--epsilon", str(EPSILON)]) == 0
+    out = capsys.readouterr().out
+    rows = {r.name: r for r in plan.rows}
+    ratio = rows["BLT amplified"].rmse_max / rows["DP-SGD Poisson"].rmse_max
+    assert f"{ratio:.2f}x the worst-step RMSE of Poisson DP-SGD" in out
+    assert ("BLT wins here" if ratio < 1 else "Poisson DP-SGD wins here") in out
+    assert "Poisson batch sizes is not counted" in out
+    assert "not in this table yet" not in out
+    for name in NAMES:
+        assert f"  {name} " in out
+
+
+def test_cli_json_lists_every_row(plan, cli_shares_the_plan, capsys):
+    assert main(["plan", "--json", "--num-examples", str(NUM_EXAMPLES), "--batch-size", str(BATCH_SIZE),
+                 "--epochs", str(EPOCHS), "--epsilon", str(EPSILON)]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [r["strategy"] for r in report["strategies"]] == NAMES
+    assert report["dataset"]["n_steps"] == N_STEPS
+    for entry, row in zip(report["strategies"], plan.rows):
+        assert entry["noise_multiplier"] == row.noise_multiplier
+        assert entry["epsilon"] == row.epsilon
+        assert entry["sampling"] == row.sampling and entry["accounting"] == row.accounting
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--num-examples", "600", "--batch-size", "30", "--epochs", "4", "--n-steps", "80"],
+     "--n-steps cannot be combined with --num-examples"),
+    (["--num-examples", "600", "--batch-size", "30", "--min-sep", "20"], "cannot be combined"),
+    (["--num-examples", "600", "--batch-size", "30"], "missing: --epochs"),
+    (["--num-examples", "30", "--batch-size", "60", "--epochs", "2"], r"batch_size \(60\) must be <= num_examples"),
+    (["--num-examples", "600", "--batch-size", "30", "--epochs", "0"], "epochs must be >= 1"),
+])
+def test_cli_bad_dataset_input_is_a_clear_error(args, message, capsys):
+    assert main(["plan", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("opake: error:")
+    assert re.search(message, err), err
