@@ -230,7 +230,7 @@ def test_each_direction_is_converted_on_its_own():
     process = dpftrl_acc.balls_in_bins(inner, num_bins=4, n_steps=12, method="rdp")
     for delta in [1e-6, 1e-3]:
         per_direction = max(rdp_epsilon(process.remove, delta), rdp_epsilon(process.add, delta))
-        assert process.epsilon_at(delta) == pytest.approx(min(per_direction, process.rigorous.epsilon_at(delta)))
+        assert process.epsilon_at(delta) <= min(per_direction, process.rigorous.epsilon_at(delta)) + 1e-12
         # converting the pointwise maximum with one order for both directions is never tighter
         assert process.epsilon_at(delta) <= rdp_epsilon(process.rdp, delta)
         assert process.delta_at(process.epsilon_at(delta)) <= delta * (1 + 1e-9)
@@ -238,12 +238,13 @@ def test_each_direction_is_converted_on_its_own():
 
 def test_seed_example_bound_and_its_monte_carlo_lower_confidence_bound():
     # The seed's example: 100 bins over 500 steps, BLT with up to 10 buffers, sigma = 1, delta = 1e-5.
-    # Unamplified 27.23; the majorized RDP bound alone gave 25.88; exact order-2 moments give 23.81.
+    # Unamplified 27.23; the majorized RDP bound alone gave 25.88; exact order-2 moments give 23.81;
+    # the direct hockey-stick bounds 22.62 (issue 14's target: <= 23.0).
     inner = dpftrl_acc.mf_gaussian(1.0, blt_strategy(max_buffers=10))
     process = dpftrl_acc.balls_in_bins(inner, num_bins=100, n_steps=500)
     assert isinstance(process, dpftrl_acc.BallsInBinsRDP)  # the default is the tightest proven bound
     epsilon = process.epsilon_at(1e-5)
-    assert epsilon < 23.82
+    assert epsilon <= 23.0
     assert epsilon < process.rigorous.epsilon_at(1e-5) - 3.0
     estimate = dpftrl_acc.balls_in_bins(inner, num_bins=100, n_steps=500, method="monte_carlo",
                                         num_samples=100_000, seed=5, confidence=0.999)

@@ -341,6 +341,19 @@ def test_amplification_never_needs_more_noise_than_the_unamplified_bound():
     assert "without amplification" in unamplified.plan.accountant.description
 
 
+def test_an_identical_plan_reuses_the_calibrated_noise(monkeypatch):
+    from opake.torch import private as private_module
+
+    first = _make(batch_size=4, epochs=1, strategy=blt_strategy(max_buffers=3))
+    calls = []
+    monkeypatch.setattr(private_module.acc, "calibrate", lambda *a, **k: calls.append(a) or 1 / 0)
+    second = _make(batch_size=4, epochs=1, strategy=blt_strategy(max_buffers=3))  # an equal recipe
+    assert calls == [] and second.noise_multiplier == first.noise_multiplier
+    assert second.epsilon == first.epsilon <= 3.0
+    with pytest.raises(ZeroDivisionError):  # another budget is calibrated anew
+        _make(batch_size=4, epochs=1, strategy=blt_strategy(max_buffers=3), target_epsilon=2.0)
+
+
 def test_amplification_refuses_a_strategy_with_negative_coefficients():
     from test_dpftrl_accounting_gaussian import HandBLTRecipe
 

@@ -294,8 +294,10 @@ def make_private(
     if accounting == "rdp":
         _check_amplifiable(strategy, sampler, participation.n_steps)
     accountant_of_sigma = _accountant_for(strategy, sampler, participation.n_steps, accounting)
+    plan_key = (strategy, accounting, sampling, getattr(sampler, "num_bins", None), getattr(sampler, "num_groups", None),
+                getattr(sampler, "sample_rate", None), participation.n_steps)
     sigma, epsilon, delta, accountant = _plan_noise(accountant_of_sigma, accounting, participation, target_epsilon,
-                                                    target_delta, noise_multiplier)
+                                                    target_delta, noise_multiplier, plan_key)
     plan = PrivacyPlan(participation, None if poisson else sampler.num_bins, sampler.expected_batch_size, strategy,
                        sigma, epsilon, delta, max_grad_norm, accountant, sampling=sampling, accounting=accounting,
                        num_groups=sampler.num_groups if poisson else None,
@@ -444,7 +446,15 @@ def _accountant_for(strategy, sampler, n_steps: int, accounting: str):
                                                   n_steps=n_steps, method=accounting)
 
 
-def _plan_noise(accountant, accounting, participation, target_epsilon, target_delta, noise_multiplier):
+# Calibrated noise multipliers by (strategy, accounting, sampler, horizon, epsilon, delta): the
+# calibration is a pure function of these, and the amplified bounds take seconds to calibrate,
+# so a second identical plan (another learning rate or seed) reuses the first one's sigma.
+_CALIBRATED: dict = {}
+_CALIBRATED_LIMIT = 256
+
+
+def _plan_noise(accountant, accounting, participation, target_epsilon, target_delta, noise_multiplier,
+                plan_key=None):
     if target_delta is None:
         raise TypeError("make_private needs target_delta (e.g. 1e-5, below 1 / len(dataset))")
     if (target_epsilon is None) == (noise_multiplier is None):
@@ -453,6 +463,22 @@ def _plan_noise(accountant, accounting, participation, target_epsilon, target_de
         process = accountant(positive_finite("noise_multiplier", noise_multiplier))
         return float(noise_multiplier), process.epsilon_at(target_delta), float(target_delta), process
     budget = acc.epsilon_budget(target_epsilon, target_delta)
+    cache_key = None if plan_key is None else plan_key + (budget.epsilon, budget.delta)
+    try:
+        cached = _CALIBRATED.get(cache_key)
+    except TypeError:  # an unhashable strategy: calibrate every time
+        cache_key, cached = None, None
+    if cached is not None:
+        process = accountant(cached)
+        return cached, process.epsilon_at(target_delta), float(target_delta), process
+    sigma, epsilon, delta, process = _calibrate_noise(accountant, accounting, participation, budget,
+                                                      target_epsilon, target_delta)
+    if cache_key is not None and len(_CALIBRATED) < _CALIBRATED_LIMIT:
+        _CALIBRATED[cache_key] = sigma
+    return sigma, epsilon, delta, process
+
+
+def _calibrate_noise(accountant, accounting, participation, budget, target_epsilon, target_delta):
     low, high = _SIGMA_RANGE
     floor = low
     if accounting == "pld":

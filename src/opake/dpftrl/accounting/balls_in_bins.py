@@ -7,11 +7,12 @@ supplies that participation (min_sep = b, max_participations = k) to an unbound
 
 * ``method="rigorous"``: the unamplified single-Gaussian bound for that participation
   (MATH.md section 6). A proven upper bound; it ignores the randomness of the bin assignment.
-* ``method="rdp"``: a rigorous *amplified* bound through Renyi divergences of the dominating
-  pair (``rdp_allocation.py``, derivation in docs/balls_in_bins_rdp.md), capped by the
+* ``method="rdp"``: a rigorous *amplified* bound of the dominating pair, per direction the
+  better of Renyi divergences (``rdp_allocation.py``) and direct hockey-stick bounds
+  (``allocation_hockey_stick.py``; derivations in docs/balls_in_bins_rdp.md), capped by the
   unamplified bound. Needs C >= 0 entrywise (true for a BLT and the identity).
 * default (``method=None``): the tightest proven bound that applies: "rdp" when C >= 0, else
-  "rigorous". It costs about 0.07 s for b = 100 bins, 0.6 s at b = 1000.
+  "rigorous". It costs about 0.3 s for b = 100 bins, 1 to 3 s at b = 1000.
 * ``method="monte_carlo"``: an *estimate* of the amplified privacy of the dominating pair,
   with confidence bounds (``monte_carlo.py``); never a guarantee.
 """

@@ -39,6 +39,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 from scipy.special import gammaln
 
 from opake.accounting.process import check_delta, check_epsilon
+from opake.dpftrl.accounting import allocation_hockey_stick as hockey_stick
 from opake.dpftrl.accounting.bin_gram import bin_gram_of_run
 from opake.dpftrl.noise.priced import PricedNoise
 
@@ -152,7 +153,7 @@ def weighted_add_rdp(gram: np.ndarray, noise_multiplier: float, weights: np.ndar
 
 # Orders at which the add-direction weights are optimized; every weight vector found bounds all
 # orders, and each order takes the smallest bound among them and the uniform weights.
-_WEIGHT_ORDERS = (2, 3, 5, 9)
+_WEIGHT_ORDERS = (2, 5)
 
 
 _WEIGHT_BASIS_DEGREE = 8
@@ -187,22 +188,26 @@ def _optimized_weights(gram: np.ndarray, variance: float, order: int) -> np.ndar
         return value, basis.T @ (pi * (gradient_pi - pi @ gradient_pi))  # chain rule through the softmax
 
     start = np.zeros(_WEIGHT_BASIS_DEGREE + 1)
-    result = scipy.optimize.minimize(objective, start, jac=True, method="L-BFGS-B", options={"maxiter": 50})
+    result = scipy.optimize.minimize(objective, start, jac=True, method="L-BFGS-B", options={"maxiter": 30})
     return weights(result.x)
 
 
-def add_rdp_upper_bound(gram: np.ndarray, noise_multiplier: float, max_order: int = MAX_ORDER) -> np.ndarray:
-    """Upper bounds on D_alpha(P||Q) for alpha = 2..max_order: the best weighted AM-GM bound found."""
+def add_weight_candidates(gram: np.ndarray, noise_multiplier: float, max_order: int = MAX_ORDER) -> list:
+    """Uniform weights and those fitted at ``_WEIGHT_ORDERS`` (each valid for every order)."""
     b = gram.shape[0]
-    variance = float(noise_multiplier) ** 2
-    bound = weighted_add_rdp(gram, noise_multiplier, np.full(b, 1.0 / b), max_order)
-    if b == 1:
-        return bound
-    for order in _WEIGHT_ORDERS:
-        if order <= max_order:
-            candidate = weighted_add_rdp(gram, noise_multiplier, _optimized_weights(gram, variance, order), max_order)
-            bound = np.minimum(bound, candidate)
-    return bound
+    weights = [np.full(b, 1.0 / b)]
+    if b > 1:
+        variance = float(noise_multiplier) ** 2
+        weights += [_optimized_weights(gram, variance, order) for order in _WEIGHT_ORDERS if order <= max_order]
+    return weights
+
+
+def add_rdp_upper_bound(gram: np.ndarray, noise_multiplier: float, max_order: int = MAX_ORDER,
+                        weights=None) -> np.ndarray:
+    """Upper bounds on D_alpha(P||Q) for alpha = 2..max_order: the best weighted AM-GM bound found."""
+    if weights is None:
+        weights = add_weight_candidates(gram, noise_multiplier, max_order)
+    return np.min([weighted_add_rdp(gram, noise_multiplier, pi, max_order) for pi in weights], axis=0)
 
 
 def rdp_epsilon(rdp: np.ndarray, delta: float) -> float:
@@ -221,17 +226,30 @@ def rdp_delta(rdp: np.ndarray, epsilon: float) -> float:
 
 @dataclass(frozen=True, eq=False)
 class BallsInBinsRDP:
-    """Rigorous amplified balls-in-bins bound via Renyi divergences; never worse than ``rigorous``.
+    """Rigorous amplified balls-in-bins bound of the dominating pair; never worse than ``rigorous``.
 
-    ``remove[i]`` bounds D_alpha(Q||P) and ``add[i]`` bounds D_alpha(P||Q), alpha = i + 2; each
-    direction is converted on its own and the run's epsilon is the larger.
+    ``remove[i]`` bounds D_alpha(Q||P) and ``add[i]`` bounds D_alpha(P||Q), alpha = i + 2, each
+    converted on its own by CKS20 Prop. 12; ``remove_table`` (built on first use, O(b^2 N)) and
+    ``add_candidates`` give the direct hockey-stick bounds of ``allocation_hockey_stick.py``. Per direction the smaller
+    epsilon of the two is taken, the run's epsilon is the larger of the two directions', and the
+    unamplified bound caps it.
     """
 
     rigorous: object  # BallsInBins
     remove: np.ndarray
     add: np.ndarray
+    gram: np.ndarray
+    add_candidates: hockey_stick.AddCandidates
 
     is_guarantee = True
+
+    @property
+    def remove_table(self) -> hockey_stick.RemoveTable:
+        table = self.__dict__.get("_remove_table")
+        if table is None:
+            table = hockey_stick.remove_table(self.gram, self.rigorous.bound.noise_multiplier)
+            object.__setattr__(self, "_remove_table", table)
+        return table
 
     @property
     def rdp(self) -> np.ndarray:
@@ -256,8 +274,8 @@ class BallsInBinsRDP:
     @property
     def dp_event(self):
         """The UNAMPLIFIED bound's ``GaussianDpEvent``: a valid dominating event, looser than this
-        process, because dp_accounting has no event for the amplified Renyi bound. For the
-        amplified RDP curve itself, compose ``orders`` and ``rdp`` by adding them order by order."""
+        process, because dp_accounting has no event for the amplified bound. For the amplified
+        Renyi curve itself, compose ``orders`` and ``rdp`` by adding them order by order."""
         return self.rigorous.dp_event
 
     @property
@@ -268,28 +286,45 @@ class BallsInBinsRDP:
     def description(self) -> str:
         return (
             f"balls-in-bins, {self.rigorous.num_bins} bins over {self.rigorous.n_steps} steps: rigorous "
-            "amplified upper bound (Renyi divergences of the dominating pair, orders 2.."
-            f"{self.remove.shape[0] + 1}, each direction converted by CKS20 Prop. 12), capped by the "
-            f"unamplified bound ({self.rigorous.bound.description})"
+            "amplified upper bound of the dominating pair (per direction the better of Renyi divergences, "
+            f"orders 2..{self.remove.shape[0] + 1} converted by CKS20 Prop. 12, and direct hockey-stick "
+            f"bounds), capped by the unamplified bound ({self.rigorous.bound.description})"
         )
+
+    def remove_delta(self, epsilon: float) -> float:
+        """Upper bound on H_{e^epsilon}(Q||P) (the remove direction)."""
+        return min(rdp_delta(self.remove, epsilon), hockey_stick.remove_delta(self.remove_table, epsilon))
+
+    def add_delta(self, epsilon: float) -> float:
+        """Upper bound on H_{e^epsilon}(P||Q) (the add direction)."""
+        return min(rdp_delta(self.add, epsilon), hockey_stick.add_delta(self.add_candidates, epsilon))
 
     def epsilon_at(self, delta: float) -> float:
         delta = check_delta(delta)
-        amplified = max(rdp_epsilon(self.remove, delta), rdp_epsilon(self.add, delta))
-        return min(amplified, self.rigorous.epsilon_at(delta))
+        cap = self.rigorous.epsilon_at(delta)
+        # Each direction: its Renyi epsilon, lowered by the direct bound where that is smaller
+        # (searched below the Renyi value only); the run's epsilon is the larger direction's.
+        add = min(rdp_epsilon(self.add, delta), cap)
+        add = hockey_stick.smallest_epsilon(lambda eps: hockey_stick.add_delta(self.add_candidates, eps), delta, add)
+        remove = min(rdp_epsilon(self.remove, delta), cap)
+        if remove > add:  # the remove direction decides only above the add direction's epsilon
+            remove = hockey_stick.smallest_epsilon(lambda eps: hockey_stick.remove_delta(self.remove_table, eps),
+                                                   delta, remove)
+        return min(max(remove, add), cap)
 
     def delta_at(self, epsilon: float) -> float:
         epsilon = check_epsilon(epsilon)
-        amplified = max(rdp_delta(self.remove, epsilon), rdp_delta(self.add, epsilon))
-        return min(amplified, self.rigorous.delta_at(epsilon))
+        return min(max(self.remove_delta(epsilon), self.add_delta(epsilon)), self.rigorous.delta_at(epsilon))
 
 
 def rdp_allocation(rigorous) -> BallsInBinsRDP:
-    """Build the RDP bound for the run priced (unamplified) by ``rigorous``."""
+    """Build the amplified bound for the run priced (unamplified) by ``rigorous``."""
     gram = bin_gram_of_run(rigorous, "rdp")
     sigma = rigorous.bound.noise_multiplier
     remove = remove_rdp_upper_bound(gram, sigma)
-    add = add_rdp_upper_bound(gram, sigma)
+    weights = add_weight_candidates(gram, sigma)
+    add = add_rdp_upper_bound(gram, sigma, weights=weights)
     remove.setflags(write=False)
     add.setflags(write=False)
-    return BallsInBinsRDP(rigorous, remove, add)
+    gram.setflags(write=False)
+    return BallsInBinsRDP(rigorous, remove, add, gram, hockey_stick.add_candidates(gram, sigma, weights))
