@@ -132,12 +132,20 @@ def _steps(name: str, batch: int, private: bool, steps: int):
 
 
 def _best(step, repeats: int) -> float:
-    step()  # warm-up
-    best = math.inf
+    return _best_alternating([step], repeats)[0]
+
+
+def _best_alternating(steps, repeats: int) -> list[float]:
+    """Best time of each step, the steps alternating so that a burst of load elsewhere on the
+    machine slows both sides of a ratio rather than one."""
+    for step in steps:
+        step()  # warm-up
+    best = [math.inf] * len(steps)
     for _ in range(repeats):
-        start = time.perf_counter()
-        step()
-        best = min(best, time.perf_counter() - start)
+        for index, step in enumerate(steps):
+            start = time.perf_counter()
+            step()
+            best[index] = min(best[index], time.perf_counter() - start)
     return best
 
 
@@ -166,7 +174,7 @@ def main(argv=None) -> int:
     for name in ("cnn", "transformer"):
         for batch in (64, 256):
             plain, private = _steps(name, batch, False, repeats + 2), _steps(name, batch, True, repeats + 2)
-            plain_s, private_s = _best(plain, repeats), _best(private, repeats)
+            plain_s, private_s = _best_alternating([plain, private], repeats)
             plain_peak, private_peak = _peak_allocated_bytes(plain), _peak_allocated_bytes(private)
             peer = _opacus(name, batch, repeats)
             peer_text = (f"{peer[0] * 1e3:>9.1f} {plain_s / peer[0]:>6.2f} {peer[1] / 2**20:>7.1f}"

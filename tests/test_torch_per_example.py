@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from unittest import mock
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from opake.torch.per_example import (
     PerExampleClipper,
     UnsupportedModuleError,
 )
+from opake.torch.per_example.rules import conv as conv_rules
 from tests.torch_per_example_support import (
     assert_sums_close,
     check_against_reference,
@@ -87,6 +89,104 @@ def test_conv_ghost_branch_is_taken_and_matches():
     model = nn.Sequential(nn.Conv2d(8, 8, 3, stride=3), nn.Flatten(), nn.Linear(32, 2)).to(F64)
     inputs = torch.randn(4, 8, 6, 6, dtype=F64)
     check_against_reference(model, inputs, _targets_like(model, inputs))
+
+
+# The three routes to a convolution weight's norms, and the materialized path, each forced on
+# every configuration (the route chosen by shape is checked separately below).
+_CONV_CASES = [
+    # (spatial, in, out, kernel, layer keywords, input size, batch)
+    (2, 3, 4, 3, {}, 6, 3),
+    (2, 3, 4, 3, {"stride": 2, "padding": 1}, 7, 2),
+    (2, 2, 4, 3, {"dilation": 2, "padding": 2, "bias": False}, 7, 3),
+    (2, 4, 6, 3, {"groups": 2, "stride": (2, 1), "padding": (1, 0)}, 6, 2),
+    (2, 4, 4, 3, {"groups": 4, "padding": "same"}, 5, 3),  # depthwise
+    (2, 2, 3, (2, 3), {"padding": 1, "padding_mode": "reflect", "dilation": (1, 2)}, 6, 2),
+    (2, 3, 5, 1, {"stride": 2}, 5, 3),  # 1x1: the patches are a view of the input
+    (2, 1, 8, 5, {"padding": 2}, 8, 1),  # a first layer, batch 1
+    (2, 2, 2, 3, {"padding": "same", "padding_mode": "circular"}, 5, 1),
+    (1, 3, 4, 3, {"stride": 2, "padding": 1, "dilation": 2}, 9, 3),
+    (1, 4, 4, 2, {"groups": 2, "padding": "same", "padding_mode": "replicate"}, 7, 2),
+]
+
+
+@pytest.mark.parametrize("route", ["ghost", "unfold", "grouped"])
+@pytest.mark.parametrize("kept", [False, True])
+@pytest.mark.parametrize("case", _CONV_CASES)
+def test_conv_routes_match_reference(case, route, kept):
+    spatial, channels_in, channels_out, kernel, keywords, size, batch = case
+    torch.manual_seed(0)
+    conv_type = nn.Conv1d if spatial == 1 else nn.Conv2d
+    model = nn.Sequential(conv_type(channels_in, channels_out, kernel, **keywords), nn.Tanh()).to(F64)
+    inputs = torch.randn((batch, channels_in) + (size,) * spatial, dtype=F64)
+    targets = _targets_like(model, inputs)
+    rule = conv_rules.RULE
+    with (
+        mock.patch.object(conv_rules, "_weight_route", lambda module, grad: route),
+        mock.patch.object(conv_rules, "CHUNK_ELEMENTS", 1 if batch > 2 else conv_rules.CHUNK_ELEMENTS),
+        mock.patch.object(type(rule), "materialized", lambda self, module, stored, grads, names: names if kept else ()),
+    ):
+        norms = check_against_reference(model, inputs, targets)
+        # float32 to float32 rounding against the float64 truth
+        check_against_reference(copy.deepcopy(model).float(), inputs.float(), targets.float(), rtol=1e-5,
+                                max_grad_norm=float(norms.median()) * 0.5, truth=model)
+
+
+@pytest.mark.parametrize("route", ["ghost", "unfold", "grouped"])
+def test_conv_routes_on_a_channels_last_input(route):
+    # The patches are a strided view built from the input's own strides, whatever its layout.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, stride=2, padding=1), nn.Tanh()).to(F64)
+    inputs = torch.randn(3, 3, 7, 7, dtype=F64).contiguous(memory_format=torch.channels_last)
+    with (
+        mock.patch.object(conv_rules, "_weight_route", lambda module, grad: route),
+        mock.patch.object(conv_rules.ConvRule, "materialized", lambda self, module, stored, grads, names: ()),
+    ):
+        check_against_reference(model, inputs, _targets_like(model, inputs))
+
+
+@pytest.mark.parametrize(
+    ("layer", "shape", "route"),
+    [
+        (nn.Conv2d(1, 16, 5, padding=2), (28, 28), "unfold"),  # the CNN
+        (nn.Conv2d(16, 32, 5, padding=2), (14, 14), "grouped"),
+        (nn.Conv2d(64, 64, 3, padding=1), (32, 32), "grouped"),
+        (nn.Conv2d(128, 128, 3, padding=1), (16, 16), "grouped"),
+        (nn.Conv2d(64, 64, 3, padding=1, groups=64), (32, 32), "grouped"),
+        (nn.Conv2d(64, 128, 1), (16, 16), "unfold"),
+        (nn.Conv2d(256, 256, 3, padding=1), (8, 8), "ghost"),
+        (nn.Conv1d(64, 64, 5, padding=2), (256,), "grouped"),
+    ],
+)
+def test_conv_route_is_chosen_from_the_shapes(layer, shape, route):
+    # What the cost model in rules/conv.py picks (its docstring has the measurements); a weight
+    # is offered for keeping unless its route is ghost, a bias always.
+    with torch.no_grad():
+        grad = layer(torch.zeros((2, layer.in_channels) + shape))
+    assert conv_rules._weight_route(layer, grad) == route
+    offered = conv_rules.RULE.materialized(layer, None, [grad], ("weight", "bias"))
+    assert offered == (("bias",) if route == "ghost" else ("weight", "bias"))
+
+
+def test_kept_gradients_stay_within_the_budget():
+    # The second layer's weight (B x 288) exceeds what is left of the budget (the hooks hold
+    # B x (8 + 4 + 3) x 16 output gradients, less the first layer's kept B x 80): it goes
+    # through its norms and a weighted convolution backward, the rest is kept; the sums still
+    # equal the oracle's.
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(1, 8, 3, padding=1), nn.Tanh(), nn.Conv2d(8, 4, 3, padding=1), nn.Tanh(), nn.Conv2d(4, 3, 1),
+    ).to(F64)
+    inputs = torch.randn(3, 1, 4, 4, dtype=F64)
+    kept = []
+    per_example_grads = conv_rules.ConvRule.per_example_grads
+
+    def spy(self, module, stored, grads, names, dtype):
+        kept.append((module.in_channels, tuple(names)))
+        return per_example_grads(self, module, stored, grads, names, dtype)
+
+    with mock.patch.object(conv_rules.ConvRule, "per_example_grads", spy):
+        check_against_reference(model, inputs, _targets_like(model, inputs))
+    assert sorted(kept) == [(1, ("weight", "bias")), (4, ("weight", "bias")), (8, ("bias",))]
 
 
 @pytest.mark.parametrize("padding_idx", [None, 0, 3])

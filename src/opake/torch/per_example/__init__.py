@@ -17,15 +17,19 @@ gradient, two passes run over what was kept, and it is freed:
    and Embedding use ghost norms (Li et al. 2022): a Linear weight over T positions costs two
    T x T Gram matrices per example instead of its in x out gradient, chosen when
    T^2 < in x out (otherwise the gradient is formed for a chunk of examples, at most 2^24
-   elements at a time, and reduced). LayerNorm and GroupNorm gradients (B x channels) are
+   elements at a time, and reduced). A convolution picks per layer, from its shapes, between
+   Gram matrices of its patches, one grouped weight-gradient call over a chunk of examples, and
+   a strided patch copy with one bmm (``rules/conv.py``), and its per-example gradients are
+   kept for the sum pass where they fit the book-keeping's budget (in all, no more elements
+   than the kept output gradients). LayerNorm and GroupNorm gradients (B x channels) are
    formed outright; any other layer with parameters is replayed per example with
    ``torch.func.vmap`` (B x that layer's parameter count). Each stored byte is read once here.
 2. sums: factors ``c_i = min(1, C / ||g_i||)`` (float64), and per parameter one contraction of
-   the stored tensors with them (Linear: ``(c * G)^T A``, one matmul). Each stored byte is read
-   once more.
+   the stored tensors with them (Linear: ``(c * G)^T A``, one matmul), or one matrix-vector
+   product of a kept per-example gradient. Each stored byte is read once more, at most.
 
 This is book-keeping (Bu et al. 2023): no second backward through the model, and no B x d
-per-example gradients for the ghost layers. The alternative, one ``vmap(grad)`` over the model
+per-example gradients for the ghost layers beyond that budget. The alternative, one ``vmap(grad)`` over the model
 (``opake.dpftrl.clipping``), holds B x d per-example gradients at once and runs a per-example
 backward of every layer.
 

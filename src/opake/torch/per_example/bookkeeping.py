@@ -3,8 +3,13 @@
 Pass 1 (norms): every hooked call contributes, per parameter, the (B,) squared norms of its
 per-example gradients: a ghost norm from the stored input and output gradient, or the squares of
 a materialized per-example gradient for small layers, the torch.func fallback and shared
-parameters (whose gradient is a sum over the layers holding them). Norms are reduced in float32
-(float64 for float64 layers); a parameter whose squares overflow is recomputed in float64 from
+parameters (whose gradient is a sum over the layers holding them). A ghost rule may also ask
+for some of its parameters to be materialized and kept (``LayerRule.materialized``: a
+convolution's, whose sum is then a matrix-vector product instead of a second convolution
+backward); that is granted in call order while the kept gradients total at most the elements
+of the output gradients the hooks hold for the pass, so the pass's memory at most doubles (the
+2-conv CNN of issue 13 keeps both layers: B x 13.2k against B x 18.8k). Norms are reduced in
+float32 (float64 for float64 layers); a parameter whose squares overflow is recomputed in float64 from
 the same stored tensors, and one that is still not finite raises.
 
 Between the passes: ``norm_i = sqrt(sum over parameters) * s`` with ``s`` the batch size for
@@ -115,6 +120,18 @@ def clip_forward_pass(
     for call in calls:
         if not call.layer.rule.ghost:
             dense_names.update(call.layer.global_names)
+    # What ghost rules would rather keep, granted in call order within the budget.
+    budget = sum(grad.numel() for call in calls for grad in call.grads if grad is not None)
+    for call in calls:
+        layer = call.layer
+        if not layer.rule.ghost:
+            continue
+        for local in layer.rule.materialized(layer.module, call.stored, call.grads, layer.local_names):
+            name = layer.global_names[layer.local_names.index(local)]
+            size = batch * layer.module.get_parameter(local).numel()
+            if name not in dense_names and size <= budget:
+                budget -= size
+                dense_names.add(name)
 
     device = next(grad for grad in calls[0].grads if grad is not None).device
     factor_dtype = _factor_dtype(device)

@@ -9,7 +9,7 @@ For one example with input rows ``A_i`` (T x in) and output-gradient rows ``G_i`
 which costs T^2 (in + out) per example instead of T * in * out, and needs only two T x T
 temporaries. When T^2 >= in * out the gradient itself is smaller than the Gram matrices, so it is
 formed for a chunk of examples at a time and reduced at once. The clipped sum is one matmul,
-``(c * G)^T A`` over all B * T rows.
+``(c * G)^T A`` over all B * T rows (or ``G^T (c * A)`` when A is the narrower).
 """
 
 from __future__ import annotations
@@ -64,12 +64,17 @@ class LinearRule(LayerRule):
         return result
 
     def clipped_sums(self, module, stored, grads, names, weights, dtype):
-        rows_g = _rows(grads[0], dtype) * weights[:, None, None]
+        rows_g = _rows(grads[0], dtype)
         result = {}
         if "bias" in names:
-            result["bias"] = rows_g.sum(dim=(0, 1))
+            result["bias"] = rows_g.sum(dim=1).t() @ weights
         if "weight" in names:
             rows_a = _rows(stored, dtype)
+            # (c * G)^T A = G^T (c * A): scale the narrower one (an output head's G is 8x wider).
+            if rows_a.shape[2] < rows_g.shape[2]:
+                rows_a = rows_a * weights[:, None, None]
+            else:
+                rows_g = rows_g * weights[:, None, None]
             result["weight"] = rows_g.reshape(-1, rows_g.shape[2]).t() @ rows_a.reshape(-1, rows_a.shape[2])
         return result
 
