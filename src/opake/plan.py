@@ -194,7 +194,7 @@ def plan_dataset(
 
     * "BLT", balls-in-bins sampler (num_bins = num_examples // batch_size bins, min_sep =
       num_bins, max_participations = epochs), unamplified (``balls_in_bins``, rigorous);
-    * "BLT amplified", same sampler, the proven amplified Renyi bound (``method="rdp"``);
+    * "BLT amplified", same sampler, the proven amplified bound (``method="rdp"``: Renyi and direct hockey-stick);
     * "BandMF", cyclic Poisson with ``cyclic_poisson_bands`` groups, PLD (Band23 Thm 4);
     * "DP-SGD Poisson", Poisson sampling at rate batch_size / num_examples each step, PLD: the
       DP-SGD Opacus users run;
@@ -226,7 +226,7 @@ def plan_dataset(
         guess=blt_row.noise_multiplier, rtol=_RTOL, upper=blt_row.noise_multiplier,
     )
     rows.insert(1, _row("BLT amplified", blt_row.strategy, blt_row.mechanism, amplified, bins,
-                        "amplified Renyi bound for balls-in-bins (CKS20 conversion)"))
+                        "proven amplified bound for balls-in-bins (Renyi, direct hockey-stick)"))
 
     candidates = _band_candidates(run, budget, error)
     bands, band_sigma, _ = _best(candidates)
