@@ -365,14 +365,19 @@ def test_amplification_refuses_a_strategy_with_negative_coefficients():
     assert _hooks(model) == 0
 
 
+def _fixed_noise_run(dataset, **options):
+    """make_private on a small model with noise_multiplier=2 and key 0 (checkpoint tests)."""
+    model = _loss_sum_model()
+    return make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), dataset=dataset,
+                        batch_size=5, epochs=1, noise_multiplier=2.0, target_delta=1e-5, max_grad_norm=1.0,
+                        key=key(0), **options)
+
+
 def test_a_checkpoint_of_one_sampling_does_not_load_into_another():
     dataset = torch.utils.data.TensorDataset(torch.randn(20, 5), torch.randint(0, 3, (20,)))
 
     def run(**options):
-        model = _loss_sum_model()
-        return make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), dataset=dataset,
-                            batch_size=5, epochs=1, noise_multiplier=2.0, target_delta=1e-5, max_grad_norm=1.0,
-                            strategy=identity_strategy(), key=key(0), **options)
+        return _fixed_noise_run(dataset, strategy=identity_strategy(), **options)
 
     poisson, bins = run(sampling="poisson"), run()
     unamplified = run(amplification=False)
@@ -388,10 +393,7 @@ def test_a_checkpoint_saved_before_sampling_existed_loads_into_the_unamplified_r
     dataset = torch.utils.data.TensorDataset(torch.randn(20, 5), torch.randint(0, 3, (20,)))
 
     def run(**options):
-        model = _loss_sum_model()
-        return make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), dataset=dataset,
-                            batch_size=5, epochs=1, noise_multiplier=2.0, target_delta=1e-5, max_grad_norm=1.0,
-                            key=key(0), **options)
+        return _fixed_noise_run(dataset, **options)
 
     saved = run(amplification=False).state_dict()
     saved["plan"] = {name: saved["plan"][name] for name in ("n_steps", "num_bins", "noise_multiplier", "max_grad_norm")}

@@ -79,11 +79,7 @@ def _plan(args) -> int:
         ],
         "seconds": seconds,
     }
-    if args.plot:
-        _plot(plan, args.plot)
-        report["plot"] = args.plot
-    if args.json:
-        print(json.dumps(report, indent=2))
+    if _write_plot_or_json(plan, report, args):
         return 0
     print(f"Run: n_steps={ctx.n_steps}, min_sep={ctx.min_sep}, max_participations={ctx.max_participations} "
           f"(k'={ctx.effective_participations}); budget epsilon={plan.epsilon:g}, delta={plan.delta:g}; "
@@ -141,11 +137,7 @@ def _plan_dataset(args) -> int:
                                              "rmse_mean": blt.rmse_mean / poisson_sgd.rmse_mean},
         "seconds": seconds,
     }
-    if args.plot:
-        _plot(plan, args.plot)
-        report["plot"] = args.plot
-    if args.json:
-        print(json.dumps(report, indent=2))
+    if _write_plot_or_json(plan, report, args):
         return 0
     print(f"Run: {run.num_examples} examples, batch size {run.batch_size}, {run.epochs} epochs = "
           f"{run.num_bins} steps per epoch, n_steps={run.n_steps}; budget epsilon={plan.epsilon:g}, "
@@ -190,6 +182,17 @@ def _dataset_summary(plan, error: str) -> str:
         f"and with fewer epochs (here epsilon {plan.epsilon:g}, {run.epochs} epoch(s) of {run.num_bins} steps, "
         f"sampling rate {run.sample_rate:.3g})."
     )
+
+
+def _write_plot_or_json(plan, report: dict, args) -> bool:
+    """Draw --plot (and name it in the report); print the report for --json. True when printed."""
+    if args.plot:
+        _plot(plan, args.plot)
+        report["plot"] = args.plot
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return True
+    return False
 
 
 def _plot(plan, path: str) -> None:
