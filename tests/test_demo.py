@@ -25,7 +25,7 @@ def test_every_method_runs_and_the_private_ones_meet_the_budget(small_run):
     assert bands & (bands - 1) == 0
     assert [r.method for r in results] == ["BLT", "BLT amplified", f"BandMF-{bands}", "DP-SGD", "non-private"]
     assert [r.sampling for r in results] == [
-        "balls in bins, unamplified (rigorous)", "balls in bins, amplified (RDP)",
+        "balls in bins, unamplified (rigorous)", "balls in bins, amplified (proven)",
         f"cyclic Poisson, {bands} groups (PLD)", "Poisson (PLD), as Opacus", "balls-in-bins batches"]
     for r in results[:4]:
         assert 1.9 < r.epsilon <= 2.0 and r.noise_multiplier > 0
@@ -53,4 +53,4 @@ def test_the_conclusion_names_the_winner_and_compares_the_gap_with_the_spread(sm
            f"{best.test_accuracy:.3f} +- {best.test_std:.3f} vs " in text
     assert "BLT against the DP-SGD Opacus users run: BLT (balls in bins, unamplified (rigorous))" in text
     assert text.count("spread over seeds") + text.count("standard deviation over seeds") == 2
-    assert "sampling rate is small and the epochs few" in text and "gains with many epochs" in text
+    assert "correlated noise gains at larger epsilon" in text and "Poisson DP-SGD at small epsilon over many epochs" in text

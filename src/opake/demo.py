@@ -153,7 +153,7 @@ def _methods(settings: DemoSettings, num_examples: int) -> tuple:
     blt = blt_strategy(max_buffers=10)
     return (
         Method("BLT", "balls in bins, unamplified (rigorous)", blt, amplification=False),
-        Method("BLT amplified", "balls in bins, amplified (RDP)", blt, amplification=True),
+        Method("BLT amplified", "balls in bins, amplified (proven)", blt, amplification=True),
         Method(f"BandMF-{bands}", f"cyclic Poisson, {bands} groups (PLD)", band_mf_strategy(bands=bands), "poisson"),
         Method("DP-SGD", "Poisson (PLD), as Opacus", identity_strategy(), "poisson"),
         Method("non-private", "balls-in-bins batches", None),
@@ -286,9 +286,10 @@ def conclusion(results, settings: DemoSettings) -> str:
         f"At epsilon={settings.epsilon:g}, the best private method against the runner-up: "
         f"{_versus(ranked[0], ranked[1])}. BLT against the DP-SGD Opacus users run: "
         f"{_versus(unamplified, dp_sgd)}. The amplified balls-in-bins bound {rdp}. This run samples at "
-        f"rate {rate:.3g} for {epochs}: Poisson DP-SGD's amplification is strongest when the sampling "
-        f"rate is small and the epochs few, while correlated noise gains with many epochs, so other runs "
-        f"can order the methods differently."
+        f"rate {rate:.3g} for {epochs}. Other runs can order the methods differently: on the noise error "
+        f"at equal privacy (opake plan --num-examples N --batch-size B --epochs E), correlated noise gains "
+        f"at larger epsilon, with more steps per epoch and with fewer epochs, and Poisson DP-SGD at small "
+        f"epsilon over many epochs."
     )
 
 
