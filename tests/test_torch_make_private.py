@@ -121,6 +121,66 @@ def test_steps_equal_the_functional_layer_with_the_same_keys():
     assert private.epsilon <= unamplified.epsilon_at(1e-5)
 
 
+class _TiedModel(nn.Module):
+    """Embedding, a hidden Linear and a head tied to the embedding (one Parameter, two layers)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(4)
+        self.embed = nn.Embedding(7, 6)
+        self.hidden = nn.Linear(6, 6)
+        self.head = nn.Linear(6, 7, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens):
+        return self.head(torch.tanh(self.hidden(self.embed(tokens))))
+
+
+def _tied_run(skip: bool):
+    tokens = torch.randint(0, 7, (24, 5), generator=torch.Generator().manual_seed(2))
+    dataset = torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:])
+    model = _TiedModel()
+    private = make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), dataset=dataset,
+                           batch_size=4, epochs=1, noise_multiplier=1.0, target_delta=1e-5, max_grad_norm=0.3,
+                           strategy=blt_strategy(max_buffers=2), key=key(9))
+    grads_after_backward = []
+    for step, (x, y) in enumerate(private.data_loader):
+        if step == 1 and not skip:  # the comparison run keeps autograd's weight gradients throughout
+            private.optimizer.clipper.skip_autograd_weight_gradients(False)
+        private.optimizer.zero_grad()
+        out = model(x)
+        F.cross_entropy(out.reshape(-1, 7), y.reshape(-1)).backward()
+        grads_after_backward.append({name: p.grad is not None for name, p in model.named_parameters()})
+        assert all(p.requires_grad for p in model.parameters())  # lent and returned within each call
+        private.optimizer.step()
+        if not skip:
+            private.optimizer.clipper.skip_autograd_weight_gradients(False)
+    return model, grads_after_backward
+
+
+def test_after_the_first_step_autograd_computes_no_unclipped_weight_gradient():
+    model, seen = _tied_run(skip=True)
+    reference, _ = _tied_run(skip=False)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)  # the same clipped, noised steps
+    assert all(seen[0].values())  # step 1: autograd's sums are checked against the hooks'
+    # later steps: only the first layer (its input needs no gradient) keeps its weight in the graph
+    assert seen[1] == {"embed.weight": True, "hidden.weight": False, "hidden.bias": False}
+
+
+def test_a_layer_that_raises_returns_the_parameters_it_lent():
+    model = _loss_sum_model()
+    private = _make(model=model)
+    x, y = torch.randn(5, 5), torch.randint(0, 3, (5,))
+    private.optimizer.zero_grad(); F.cross_entropy(model(x), y).backward(); private.optimizer.step()
+    hidden = model[2]
+    with pytest.raises(RuntimeError):
+        model(torch.randn(5, 5).requires_grad_()[:, :4])  # the first layer refuses 4 features
+    with pytest.raises(RuntimeError):
+        hidden(torch.randn(5, 5, requires_grad=True))     # this layer lends its weights, then fails
+    assert all(p.requires_grad for p in model.parameters())
+
+
 def test_a_resumed_run_replays_to_the_same_parameters(tmp_path):
     dataset = _images(48)
 

@@ -8,7 +8,11 @@ the mechanism's noise through the noise engine (``mf_gaussian_noise``: one strea
 sigma * C * C^{-1} z), writes the noised gradients into the parameters' ``.grad`` and calls
 the wrapped optimizer's ``step``. On the first step with examples it also checks that
 autograd's ``.grad`` equals the unclipped sum the hooks saw (``PerExampleClipper.
-check_coverage``): a parameter used outside its layer would escape the clipping. Several
+check_coverage``): a parameter used outside its layer would escape the clipping. After that
+check, autograd no longer computes the unclipped weight gradients of hooked layers that are
+not first in the graph (``PerExampleClipper.skip_autograd_weight_gradients``): they cost a
+third of a Linear layer's backward and are never released, so their ``.grad`` stays None
+until ``step()`` writes the noised gradient. Several
 ``backward`` calls before one ``step`` form one logical batch (virtual batches / microbatching: each example is clipped on its own, the sums
 add up). Frozen parameters (``requires_grad=False``) get no noise and take no noise state.
 Under torch.distributed each rank clips its part of the global batch, the clipped sums are
@@ -127,6 +131,7 @@ class DPOptimizer(torch.optim.Optimizer):
             if self.last_step_examples:
                 self._coverage_checked = True
                 self.clipper.track_coverage(False)
+                self.clipper.skip_autograd_weight_gradients(True)
         if self.distributed:
             sums = _all_reduced(sums, self.process_group)
         gradients = clipped({name: sums[name] / self.normalization for name in self.parameters},

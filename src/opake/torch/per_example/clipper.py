@@ -75,12 +75,18 @@ class PerExampleClipper:
         self._current: _ForwardPass | None = None
         self._open: list[_ForwardPass] = []
         self._folding = False
+        self._skip_autograd_weights = False
+        self._lent: list[list[torch.Tensor]] = []  # parameters whose requires_grad a layer call turned off
         self.reset()
         self._handles.append(module.register_forward_pre_hook(self._begin_pass, with_kwargs=True))
         for layer in self._plan.layers:
             self._handles.append(
+                layer.module.register_forward_pre_hook(partial(self._lend_parameters, layer), with_kwargs=True)
+            )
+            self._handles.append(
                 layer.module.register_forward_hook(partial(self._record_call, layer), with_kwargs=True)
             )
+            self._handles.append(layer.module.register_forward_hook(self._return_parameters, always_call=True))
         for path, batch_norm in self._plan.inference_batch_norms:
             self._handles.append(batch_norm.register_forward_pre_hook(partial(self._guard_batch_norm, path)))
         # Registered last, so it runs after the top-level layer's own hook when the model is a layer.
@@ -116,6 +122,22 @@ class PerExampleClipper:
                 total.clone() if total is not None else torch.zeros_like(param, dtype=sum_dtype(param.dtype))
             )
         return result
+
+    def skip_autograd_weight_gradients(self, enabled: bool = True) -> None:
+        """Whether hooked layers' calls leave their parameters out of autograd's graph.
+
+        The clipped sums come from the layers' inputs and output gradients; autograd's own
+        ``.grad`` of a hooked parameter is the *unclipped* sum, which costs one more contraction
+        per layer (about a third of a Linear layer's backward) and is never released. Once
+        :meth:`check_coverage` has shown that the hooks see every use of every parameter,
+        ``DPOptimizer`` turns this on: each hooked call whose inputs already need a gradient
+        runs with its parameters' ``requires_grad`` off (restored right after the call), so
+        backward computes the input and output gradients the hooks need and no weight gradient.
+        A first layer, whose input needs no gradient, keeps its weights in the graph so that
+        backward reaches it. ``.grad`` then stays None until ``DPOptimizer.step`` writes the
+        noised gradient.
+        """
+        self._skip_autograd_weights = bool(enabled)
 
     def track_coverage(self, enabled: bool = True) -> None:
         """From the next backward pass on, also form the unclipped sums (one more contraction
@@ -189,6 +211,23 @@ class PerExampleClipper:
         current, self._current = self._current, None
         if current is not None and not current.calls:
             self._open.remove(current)
+
+    def _lend_parameters(self, layer: HookedLayer, module, args, kwargs):
+        lent = []
+        if self._skip_autograd_weights and not self._folding and torch.is_grad_enabled() and any(
+            isinstance(leaf, torch.Tensor) and leaf.requires_grad for leaf in optree.tree_leaves((args, kwargs))
+        ):
+            for name in layer.global_names:
+                param = self._plan.trainable[name]
+                if param.requires_grad:
+                    param.requires_grad_(False)
+                    lent.append(param)
+        self._lent.append(lent)
+
+    def _return_parameters(self, module, args, output):
+        if self._lent:
+            for param in self._lent.pop():
+                param.requires_grad_(True)
 
     def _record_call(self, layer: HookedLayer, module, args, kwargs, output):
         if self._folding or not torch.is_grad_enabled():
