@@ -253,3 +253,13 @@ def test_seed_example_bound_and_its_monte_carlo_lower_confidence_bound():
     assert estimate.delta_estimate(epsilon).lower <= 1e-5
     for delta in [1e-3, 1e-4]:
         assert estimate.epsilon_estimate(delta).lower <= process.epsilon_at(delta)
+
+
+@pytest.mark.parametrize("sigma", [1e-3, 1e4])
+def test_extreme_noise_multipliers_give_finite_answers_never_above_the_unamplified_bound(sigma):
+    process = dpftrl_acc.balls_in_bins(dpftrl_acc.mf_gaussian(sigma, HAND_BLT), num_bins=3, n_steps=30)
+    for delta in [1e-10, 1e-5]:
+        epsilon = process.epsilon_at(delta)
+        assert math.isfinite(epsilon) and 0.0 <= epsilon <= process.rigorous.epsilon_at(delta)
+    for epsilon in [0.5, 1.0, 50.0]:
+        assert 0.0 <= process.delta_at(epsilon) <= process.rigorous.delta_at(epsilon) <= 1.0

@@ -221,7 +221,7 @@ def rdp_delta(rdp: np.ndarray, epsilon: float) -> float:
     """min over alpha of the CKS20 Prop. 12 delta: the same conversion solved for delta."""
     orders = np.arange(2, rdp.shape[0] + 2, dtype=np.float64)
     log_delta = (orders - 1.0) * (rdp + np.log1p(-1.0 / orders) - epsilon) - np.log(orders)
-    return float(min(math.exp(log_delta.min()), 1.0))
+    return float(math.exp(min(log_delta.min(), 0.0)))
 
 
 @dataclass(frozen=True, eq=False)
