@@ -257,7 +257,7 @@ def test_seed_example_bound_and_its_monte_carlo_lower_confidence_bound():
 
 @pytest.mark.parametrize("sigma", [1e-3, 1e4])
 def test_extreme_noise_multipliers_give_finite_answers_never_above_the_unamplified_bound(sigma):
-    process = dpftrl_acc.balls_in_bins(dpftrl_acc.mf_gaussian(sigma, HAND_BLT), num_bins=3, n_steps=30)
+    process = dpftrl_acc.balls_in_bins(dpftrl_acc.mf_gaussian(sigma, HAND_BLT), num_bins=3, n_steps=12)
     for delta in [1e-10, 1e-5]:
         epsilon = process.epsilon_at(delta)
         assert math.isfinite(epsilon) and 0.0 <= epsilon <= process.rigorous.epsilon_at(delta)
