@@ -14,8 +14,9 @@ calibrated by its own proven accountant:
 * **BLT, balls in bins, unamplified**: every image in one of 30 random bins, bins served
   cyclically (once per epoch, 30 steps apart), priced by the rigorous bound without
   amplification (``amplification=False``).
-* **BLT, balls in bins, amplified**: the same sampling, priced by the proven amplified Renyi
-  bound (``amplification=True``), which is capped by the unamplified one.
+* **BLT, balls in bins, amplified**: the same sampling, priced by the proven amplified bound
+  (``amplification=True``: Renyi and direct hockey-stick bounds of the dominating pair), which is
+  capped by the unamplified one.
 * **BandMF, cyclic Poisson**: ``band_mf_strategy(bands=g)`` with g from
   ``opake.plan.cyclic_poisson_bands`` (the power of two with the least noise error at equal
   privacy), g random groups served cyclically, each member drawn with probability
