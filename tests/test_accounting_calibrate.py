@@ -182,3 +182,49 @@ def test_guarantees_pass_whatever_allow_estimates_says():
 def test_allow_estimates_must_be_a_bool(value):
     with pytest.raises(TypeError, match="allow_estimates must be True or False"):
         acc.calibrate(acc.epsilon_budget(2.0, 1e-5), acc.gaussian, 0.1, 10.0, allow_estimates=value)
+
+
+# --- calibrate_near: the same answer from a bracket around a guess -------------------------------
+
+
+@pytest.mark.parametrize("guess", [0.05, 1.0, 3.0, 500.0])
+def test_calibrate_near_finds_what_calibrate_finds_from_any_guess(guess):
+    budget = acc.epsilon_budget(2.0, 1e-5)
+    built = []
+
+    def factory(sigma):
+        built.append(sigma)
+        return acc.gaussian(sigma)
+
+    near = acc.calibrate_near(budget, factory, guess, 1e-3, 1e4, rtol=1e-9)
+    assert near.param == pytest.approx(dp_accounting.get_sigma_gaussian(2.0, 1e-5), rel=1e-8)
+    assert near.epsilon <= 2.0
+    assert len(built) == len(set(built))  # each parameter's process is built once
+
+
+def test_calibrate_near_raises_like_calibrate_at_either_end():
+    budget = acc.epsilon_budget(2.0, 1e-5)
+    with pytest.raises(acc.CalibrationRangeError) as missed:
+        acc.calibrate_near(budget, acc.gaussian, 1.0, 0.1, 1.5)   # 1.5 is not enough noise
+    assert missed.value.end == "max"
+    with pytest.raises(acc.CalibrationRangeError) as met:
+        acc.calibrate_near(budget, acc.gaussian, 5.0, 3.0, 10.0)  # 3.0 already meets it
+    assert met.value.end == "min"
+    with pytest.raises(ValueError, match="spread must be a number > 1"):
+        acc.calibrate_near(budget, acc.gaussian, 1.0, 0.1, 10.0, spread=1.0)
+
+
+# --- smallest_epsilon: inverting a delta(epsilon) curve --------------------------------------------
+
+
+@pytest.mark.parametrize("sigma", [0.5, 1.0, 4.0])
+def test_smallest_epsilon_inverts_the_exact_gaussian(sigma):
+    from opake.accounting.process import smallest_epsilon
+
+    process = acc.gaussian(sigma)
+    for delta in [1e-10, 1e-5, 1e-2]:
+        epsilon = smallest_epsilon(process.delta_at, delta, 1e3)
+        assert process.delta_at(epsilon) <= delta
+        assert epsilon == pytest.approx(dp_accounting.get_epsilon_gaussian(sigma, delta), rel=1e-9)
+    assert smallest_epsilon(process.delta_at, 1e-5, 1e-3) is None   # the bracket's end misses delta
+    assert smallest_epsilon(lambda eps: 0.0, 1e-5, 10.0) == 0.0

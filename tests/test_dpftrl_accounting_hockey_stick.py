@@ -12,6 +12,7 @@ import pytest
 from scipy.special import ndtr
 
 import opake.dpftrl.accounting as dpftrl_acc
+from opake.accounting.process import smallest_epsilon
 from opake.dpftrl.accounting import allocation_hockey_stick as hockey_stick
 from opake.dpftrl.noise import blt_strategy, identity_strategy
 
@@ -86,7 +87,7 @@ def test_bounds_decrease_with_epsilon_and_the_search_meets_delta():
     deltas = [hockey_stick.remove_delta(table, eps) for eps in np.linspace(0, 6, 61)]
     assert all(a >= b for a, b in zip(deltas, deltas[1:]))
     for delta in [1e-2, 1e-5]:
-        epsilon = hockey_stick.smallest_epsilon(lambda e: hockey_stick.remove_delta(table, e), delta, 50.0)
+        epsilon = smallest_epsilon(lambda e: hockey_stick.remove_delta(table, e), delta, 50.0)
         assert hockey_stick.remove_delta(table, epsilon) <= delta
         assert hockey_stick.remove_delta(table, epsilon * (1 - 1e-4)) > delta
 

@@ -127,13 +127,17 @@ def test_balls_in_bins_run_respects_the_claimed_epsilon_curve(name):
     )
 
 
+def _amplified_claim(name):
+    run = _run(name)
+    strategy, _, _, n_steps, participation, _ = CASES[name]
+    return run, dpftrl_acc.balls_in_bins(dpftrl_acc.mf_gaussian(run.noise_multiplier, strategy),
+                                         num_bins=participation.min_sep, n_steps=n_steps)
+
+
 @pytest.mark.parametrize("name", ["identity_2bins", "blt_2bins"])
 def test_balls_in_bins_run_respects_the_amplified_claim(name):
     """The same worlds against balls_in_bins' default (proven amplified, tighter) epsilon curve."""
-    run = _run(name)
-    strategy, _, _, n_steps, participation, _ = CASES[name]
-    amplified = dpftrl_acc.balls_in_bins(dpftrl_acc.mf_gaussian(run.noise_multiplier, strategy),
-                                         num_bins=participation.min_sep, n_steps=n_steps)
+    run, amplified = _amplified_claim(name)
     assert isinstance(amplified, dpftrl_acc.BallsInBinsRDP)
     assert amplified.mechanism.fingerprint == run.accountant.mechanism.fingerprint
     assert amplified.epsilon_at(1e-3) <= run.accountant.epsilon_at(1e-3)
@@ -141,6 +145,15 @@ def test_balls_in_bins_run_respects_the_amplified_claim(name):
         assert amplified.epsilon_at(1e-3) < run.accountant.epsilon_at(1e-3)
     check = check_claim(dataclasses.replace(run, accountant=amplified))
     assert not check.violated, f"{name}: the run beats the amplified claim: {check}"
+
+
+@pytest.mark.parametrize("name", ["identity_2bins_legacy", "blt_2bins_legacy"])
+def test_the_legacy_sampler_violates_the_amplified_claim_too(name):
+    """Negative control for the amplified accountant: the same claim, a sampler that moves x's batch."""
+    run, amplified = _amplified_claim(name)
+    assert isinstance(amplified, dpftrl_acc.BallsInBinsRDP)
+    check = check_claim(dataclasses.replace(run, accountant=amplified))
+    assert check.violated, f"{name}: the audit missed the legacy sampler against the amplified claim: {check}"
 
 
 def test_one_bin_run_is_exactly_the_claimed_gaussian():

@@ -52,6 +52,18 @@ def _loss(model, dataset):
         return F.cross_entropy(model(x), y).item()
 
 
+def _train(model, optimizer, train_loader) -> int:
+    """The script's loop, as Opacus users write it: EPOCHS passes; returns the steps taken."""
+    steps = 0
+    for _ in range(EPOCHS):
+        for x, y in train_loader:
+            optimizer.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            optimizer.step()
+            steps += 1
+    return steps
+
+
 # --- the "Opacus script": a function of the engine class (the import line) --------------------
 
 def opacus_script(PrivacyEngine, dataset):
@@ -66,13 +78,7 @@ def opacus_script(PrivacyEngine, dataset):
         module=model, optimizer=optimizer, data_loader=train_loader, epochs=EPOCHS,
         target_epsilon=EPSILON, target_delta=DELTA, max_grad_norm=MAX_GRAD_NORM)
 
-    steps = 0
-    for _ in range(EPOCHS):
-        for x, y in train_loader:
-            optimizer.zero_grad()
-            F.cross_entropy(model(x), y).backward()
-            optimizer.step()
-            steps += 1
+    steps = _train(model, optimizer, train_loader)
     return before, _loss(model, dataset), privacy_engine.get_epsilon(DELTA), steps
 
 
@@ -88,11 +94,7 @@ def opacus_script_sigma(PrivacyEngine, dataset, **changed):
         module=model, optimizer=optimizer, data_loader=train_loader,
         noise_multiplier=1.0, max_grad_norm=MAX_GRAD_NORM, **changed)
 
-    for _ in range(EPOCHS):
-        for x, y in train_loader:
-            optimizer.zero_grad()
-            F.cross_entropy(model(x), y).backward()
-            optimizer.step()
+    _train(model, optimizer, train_loader)
     return before, _loss(model, dataset), privacy_engine.get_epsilon(DELTA)
 
 

@@ -22,9 +22,9 @@ import math
 import numbers
 from dataclasses import dataclass
 
-from opake.accounting import calibrate, epsilon_budget
-from opake.accounting.gaussian import gaussian
+from opake.accounting import calibrate, calibrate_near, epsilon_budget
 from opake.dpftrl.accounting import balls_in_bins, mf_gaussian, poisson
+from opake.dpftrl.accounting.poisson import banded_column_norm, noise_multiplier_guess
 from opake.dpftrl.noise import band_mf_strategy, blt_strategy, identity_strategy
 from opake.dpftrl.participation import Participation
 
@@ -221,9 +221,10 @@ def plan_dataset(
         )
         rows.append(_row(name, strategy, mech, result, bins, unamplified))
     blt_row = rows[0]
-    amplified = _calibrated(
+    # the amplified bound is capped by the unamplified one, so the unamplified sigma meets the budget
+    amplified = calibrate_near(
         budget, lambda sigma: balls_in_bins(mf_gaussian(sigma, blt_row.strategy), num_bins, n, method="rdp"),
-        guess=blt_row.noise_multiplier, rtol=_RTOL, upper=blt_row.noise_multiplier,
+        blt_row.noise_multiplier, _SIGMA_RANGE[0], blt_row.noise_multiplier, rtol=_RTOL,
     )
     rows.insert(1, _row("BLT amplified", blt_row.strategy, blt_row.mechanism, amplified, bins,
                         "proven amplified bound for balls-in-bins (Renyi, direct hockey-stick)"))
@@ -259,15 +260,14 @@ def _band_candidates(run: DatasetRun, budget, error: str) -> list:
         strategy = identity_strategy() if bands == 1 else band_mf_strategy(bands=bands, error=error)
         compositions = -(-run.n_steps // bands)
         mech = strategy.resolve(run.n_steps, bands, compositions)
-        column_norm = math.sqrt(math.fsum(float(v) ** 2 for v in getattr(mech, "coefs", (1.0,))))
-        result = _calibrated(
+        result = calibrate_near(
             budget,
             lambda sigma, s=strategy, q=q: poisson(mf_gaussian(sigma, s), q, run.n_steps,
                                                    value_discretization_interval=CHOICE_DISCRETIZATION),
-            guess=column_norm * _poisson_sigma_guess(q, compositions, budget), rtol=_CHOICE_RTOL,
+            noise_multiplier_guess(q, compositions, banded_column_norm(mech), budget), *_SIGMA_RANGE,
+            rtol=_CHOICE_RTOL,
         )
-        loss = mech.max_loss if error == "max" else mech.mean_loss
-        candidates.append((bands, result.param, result.param * math.sqrt(loss) / mech.sensitivity))
+        candidates.append((bands, result.param, _rmse(result.param, mech, error)))
         bands *= 2
     return candidates
 
@@ -287,63 +287,21 @@ def _refined(budget, factory, coarse_sigma: float):
     The grids' epsilons differ by ~1e-4 relative, so the answer is within 0.1% of
     ``coarse_sigma``: a tight bracket takes a handful of slow fine-grid evaluations, not ~15.
     """
-    return _calibrated(budget, factory, guess=coarse_sigma, rtol=_RTOL, spread=1.001)
+    return calibrate_near(budget, factory, coarse_sigma, *_SIGMA_RANGE, spread=1.001, rtol=_RTOL)
 
 
-def _poisson_sigma_guess(sample_rate: float, compositions: int, budget) -> float:
-    """A starting point for calibrating Poisson-sampled Gaussian compositions (not a bound).
-
-    For small rates the composition behaves like one Gaussian with noise multiplier
-    sigma / (q sqrt(k)) (the central limit regime of Dong, Roth and Su 2022, mu ~ q sqrt(k) / sigma),
-    so sigma ~ q sqrt(k) sigma_gauss; below ~0.6 that approximation fails and the guess is 0.6.
-    """
-    sigma_gauss = calibrate(budget, gaussian, 1e-3, 1e4, rtol=1e-3).param
-    return max(0.6, sample_rate * math.sqrt(compositions) * sigma_gauss)
-
-
-def _calibrated(budget, factory, *, guess: float, rtol: float, spread: float = 2.0, upper: float | None = None):
-    """``calibrate`` in a bracket found by stepping out from [guess / spread, guess * spread] by factors of 4.
-
-    PLD evaluations are slow for small noise multipliers (wide privacy-loss ranges), so the
-    search starts near the answer instead of at ``_SIGMA_RANGE``'s ends; each process is built
-    once. ``upper`` is a noise multiplier already known to meet the budget.
-    """
-    processes = {}
-
-    def process(sigma):
-        if sigma not in processes:
-            processes[sigma] = factory(sigma)
-        return processes[sigma]
-
-    def meets(sigma) -> bool:
-        return process(sigma).epsilon_at(budget.delta) <= budget.epsilon
-
-    low, high = guess / spread, (guess * spread if upper is None else upper)
-    while not meets(high):
-        if high >= _SIGMA_RANGE[1]:
-            raise ValueError(
-                f"no noise multiplier up to {_SIGMA_RANGE[1]:g} meets epsilon={budget.epsilon:g}, "
-                f"delta={budget.delta:g} for this run; raise the budget or train fewer epochs"
-            )
-        low, high = high, high * 4.0
-    while meets(low):
-        if low <= _SIGMA_RANGE[0]:
-            raise ValueError(
-                f"even noise multiplier {low:g} meets epsilon={budget.epsilon:g}, delta={budget.delta:g}: "
-                f"the budget is too loose to plan; lower epsilon"
-            )
-        low, high = low / 4.0, low
-    return calibrate(budget, process, low, high, rtol=rtol)
+def _rmse(sigma: float, mech, error: str) -> float:
+    """sigma * sqrt(max_t e_t) (or the mean): the noise's prefix-sum RMSE, clip norm 1."""
+    loss = mech.max_loss if error == "max" else mech.mean_loss
+    return sigma * math.sqrt(loss) / mech.sensitivity
 
 
 def _row(name, strategy, mech, result, sampling: str = "", accounting: str = "") -> PlanRow:
     sigma = result.param
-    error_max = mech.max_loss / mech.sensitivity**2
-    error_mean = mech.mean_loss / mech.sensitivity**2
     return PlanRow(
         name=name, strategy=strategy, mechanism=mech, noise_multiplier=sigma,
         epsilon=result.epsilon, delta=result.delta,
-        rmse_max=sigma * math.sqrt(error_max), rmse_mean=sigma * math.sqrt(error_mean),
+        rmse_max=_rmse(sigma, mech, "max"), rmse_mean=_rmse(sigma, mech, "mean"),
         state_bytes_per_parameter=_FLOAT32_BYTES * _state_floats(mech),
         sampling=sampling, accounting=accounting, process=result.process if sampling else None,
     )

@@ -5,7 +5,13 @@ Mechanism-specific processes (matrix-factorization Gaussian, amplifiers) live in
 """
 
 from opake.accounting.budget import EpsilonBudget, epsilon_budget
-from opake.accounting.calibrate import CalibrationRangeError, CalibrationResult, EstimateNotAllowedError, calibrate
+from opake.accounting.calibrate import (
+    CalibrationRangeError,
+    CalibrationResult,
+    EstimateNotAllowedError,
+    calibrate,
+    calibrate_near,
+)
 from opake.accounting.gaussian import Gaussian, gaussian
 from opake.accounting.process import PrivacyProcess
 
@@ -17,6 +23,7 @@ __all__ = [
     "Gaussian",
     "PrivacyProcess",
     "calibrate",
+    "calibrate_near",
     "epsilon_budget",
     "gaussian",
 ]

@@ -24,7 +24,14 @@ _MAX_EVALUATIONS = 200
 
 
 class CalibrationRangeError(ValueError):
-    """The budget is not crossed inside [param_min, param_max]; the message says which end to move."""
+    """The budget is not crossed inside [param_min, param_max]; the message says which end to move.
+
+    ``end`` is "max" (even param_max misses the budget) or "min" (param_min already meets it).
+    """
+
+    def __init__(self, message: str, end: str | None = None):
+        super().__init__(message)
+        self.end = end
 
 
 class EstimateNotAllowedError(ValueError):
@@ -134,7 +141,8 @@ def calibrate(
         raise CalibrationRangeError(
             f"budget (epsilon={target!r}, delta={budget.delta!r}) is unreachable inside the range: "
             f"even param_max={param_max!r} gives epsilon={epsilon_hi!r}; "
-            "raise param_max (more noise) or relax the budget"
+            "raise param_max (more noise) or relax the budget",
+            end="max",
         )
     epsilon_lo, _ = evaluate(param_min)
     g_lo = epsilon_lo - target
@@ -142,7 +150,8 @@ def calibrate(
         raise CalibrationRangeError(
             f"budget (epsilon={target!r}, delta={budget.delta!r}) is already met at "
             f"param_min={param_min!r} (epsilon={epsilon_lo!r}), so the smallest parameter "
-            "meeting it lies below the range; lower param_min"
+            "meeting it lies below the range; lower param_min",
+            end="min",
         )
 
     p_lo, p_hi = param_min, param_max
@@ -192,3 +201,49 @@ def calibrate(
         rtol=rtol,
         num_evaluations=evaluations,
     )
+
+
+def calibrate_near(
+    budget: EpsilonBudget,
+    process_factory: Callable[[float], object],
+    guess: float,
+    param_min: float,
+    param_max: float,
+    *,
+    spread: float = 2.0,
+    rtol: float = 1e-6,
+    allow_estimates: bool = False,
+) -> CalibrationResult:
+    """``calibrate``, starting from a bracket around ``guess`` instead of at the range's ends.
+
+    For processes that are slow to evaluate far from the answer (a PLD at a small noise
+    multiplier spans a wide range of privacy losses): the bracket [guess / spread, guess *
+    spread], clipped to [param_min, param_max], is widened by factors of 4 until its upper end
+    meets the budget and its lower end does not, then ``calibrate`` searches inside it. Each
+    parameter's process is built once. Raises CalibrationRangeError (with ``end``) exactly when
+    ``calibrate(budget, process_factory, param_min, param_max)`` would.
+    """
+    guess = positive_finite("guess", guess)
+    if isinstance(spread, bool) or not isinstance(spread, numbers.Real) or not spread > 1.0:
+        raise ValueError(f"spread must be a number > 1, got {spread!r}")
+    processes = {}
+
+    def process(param: float):
+        if param not in processes:
+            processes[param] = process_factory(param)
+        return processes[param]
+
+    def meets(param: float) -> bool:
+        return float(process(param).epsilon_at(budget.delta)) <= budget.epsilon
+
+    low = min(max(guess / spread, param_min), param_max)
+    high = max(min(guess * spread, param_max), param_min)
+    while not meets(high):
+        if high >= param_max:
+            return calibrate(budget, process, param_min, param_max, rtol=rtol, allow_estimates=allow_estimates)
+        low, high = high, min(4.0 * high, param_max)
+    while low >= high or meets(low):
+        if low <= param_min:
+            return calibrate(budget, process, param_min, param_max, rtol=rtol, allow_estimates=allow_estimates)
+        low, high = max(low / 4.0, param_min), low
+    return calibrate(budget, process, low, high, rtol=rtol, allow_estimates=allow_estimates)

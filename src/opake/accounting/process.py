@@ -61,3 +61,30 @@ def check_noise_multiplier(noise_multiplier, name: str = "noise_multiplier") -> 
     """A finite noise multiplier > 0 (the noise standard deviation over the clip norm)."""
     return positive_finite(name, noise_multiplier,
                            "to find one for a privacy budget use opake.accounting.calibrate")
+
+
+def smallest_epsilon(delta_of_epsilon, delta: float, upper: float, *, rtol: float = 1e-12) -> float | None:
+    """The smallest epsilon in [0, upper] with ``delta_of_epsilon(epsilon) <= delta``, or None.
+
+    ``delta_of_epsilon`` must be non-increasing (every delta(epsilon) curve is). Brent's method
+    on ln(delta(epsilon)) - ln(delta) (delta(epsilon) falls roughly exponentially, so this is
+    smooth), to ``rtol``; the root is then moved up until the curve, as computed, is <= delta,
+    so the result is never below what the curve certifies. None when even ``upper`` misses delta.
+    """
+    import scipy.optimize
+
+    if delta_of_epsilon(0.0) <= delta:
+        return 0.0
+    if not (math.isfinite(upper) and delta_of_epsilon(upper) <= delta):
+        return None
+    log_delta = math.log(delta)
+
+    def excess(epsilon: float) -> float:
+        return math.log(max(delta_of_epsilon(epsilon), 5e-324)) - log_delta
+
+    root = scipy.optimize.brentq(excess, 0.0, upper, xtol=rtol * max(1.0, upper), rtol=max(rtol, 4e-16))
+    step = rtol * max(1.0, root)
+    while delta_of_epsilon(root) > delta:
+        root = min(root + step, upper)
+        step *= 2.0
+    return root

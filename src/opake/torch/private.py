@@ -75,6 +75,7 @@ from torch import nn
 import opake.accounting as acc
 import opake.dpftrl.accounting as dpftrl_acc
 from opake.dpftrl.accounting.bin_gram import has_non_negative_entries
+from opake.dpftrl.accounting.poisson import noise_multiplier_guess
 from opake._checks import positive_finite
 from opake.dpftrl.noise import blt_strategy, mf_gaussian_noise, sharded_mf_gaussian_noise
 from opake.dpftrl.noise.band_mf import BandMFStrategy
@@ -94,9 +95,8 @@ _SIGMA_RANGE = (1e-3, 1e4)
 _SAMPLINGS = ("balls_in_bins", "poisson")
 # Cyclic Poisson's PLD grid grows as the effective noise multiplier (sigma / column norm) falls:
 # one evaluation takes about 1.5 s at 0.5, 9 s at 0.2 and 45 s at 0.1 (600 compositions, one
-# core). Calibration starts its bracket at 0.5 and halves it while the budget is already met
-# there, down to 0.25.
-_POISSON_LOW_START, _POISSON_LOW_FLOOR = 0.5, 0.25
+# core). Calibration searches near a guess and no lower than 0.25 column norms.
+_POISSON_FLOOR = 0.25
 # What a checkpoint saved before ``sampling=`` existed planned: balls in bins, unamplified.
 _PLAN_BEFORE_SAMPLING = {"sampling": "balls_in_bins", "accounting": "rigorous", "num_groups": None,
                          "sample_rate": None}
@@ -480,30 +480,29 @@ def _plan_noise(accountant, accounting, participation, target_epsilon, target_de
 
 def _calibrate_noise(accountant, accounting, participation, budget, target_epsilon, target_delta):
     low, high = _SIGMA_RANGE
-    floor = low
-    if accounting == "pld":
-        column_norm = accountant(high).column_norm  # a cheap evaluation: tiny PLD at huge sigma
-        low, floor = _POISSON_LOW_START * column_norm, _POISSON_LOW_FLOOR * column_norm
-    while True:
-        try:
+    try:
+        if accounting == "pld":
+            # PLD evaluations slow down as sigma / column norm falls, so the search starts near the
+            # answer and stops at _POISSON_FLOOR column norms.
+            process = accountant(high)  # a cheap evaluation: a tiny PLD at a huge sigma
+            low = _POISSON_FLOOR * process.column_norm
+            guess = noise_multiplier_guess(process.sample_rate, process.compositions, process.column_norm, budget)
+            result = acc.calibrate_near(budget, accountant, guess, low, high)
+        else:
             result = acc.calibrate(budget, accountant, low, high)
-        except acc.CalibrationRangeError as error:
-            low_met = accounting == "pld" and accountant(low).epsilon_at(target_delta) <= budget.epsilon
-            if low_met and low / 2 >= floor:
-                low /= 2
-                continue
-            if low_met:
-                raise ValueError(
-                    f"target_epsilon={target_epsilon} at delta={target_delta} is met with a noise multiplier "
-                    f"below {low:.4g} under Poisson sampling, where the PLD accounting gets too costly to "
-                    f"calibrate; pass noise_multiplier= (at least {low:.4g}) instead of target_epsilon"
-                ) from None
+    except acc.CalibrationRangeError as error:
+        if accounting == "pld" and error.end == "min":
             raise ValueError(
-                f"target_epsilon={target_epsilon} at delta={target_delta} cannot be met for this plan "
-                f"({participation}) with a noise multiplier in ({low:.4g}, {high:g}): {error}. Raise the "
-                f"budget, or train fewer epochs"
+                f"target_epsilon={target_epsilon} at delta={target_delta} is met with a noise multiplier "
+                f"below {low:.4g} under Poisson sampling, where the PLD accounting gets too costly to "
+                f"calibrate; pass noise_multiplier= (at least {low:.4g}) instead of target_epsilon"
             ) from None
-        return result.param, result.epsilon, float(target_delta), result.process
+        raise ValueError(
+            f"target_epsilon={target_epsilon} at delta={target_delta} cannot be met for this plan "
+            f"({participation}) with a noise multiplier in ({low:.4g}, {high:g}): {error}. Raise the "
+            f"budget, or train fewer epochs"
+        ) from None
+    return result.param, result.epsilon, float(target_delta), result.process
 
 
 def _check_amplifiable(strategy, sampler, n_steps: int) -> None:

@@ -146,31 +146,3 @@ def add_delta(candidates: AddCandidates, epsilon: float) -> float:
             value = math.exp(log_first) * -math.expm1(min(log_second - log_first, 0.0))
         best = min(best, max(value, 0.0))
     return min(1.0, best * (1.0 + _RELATIVE_SLACK) + _ABSOLUTE_SLACK)
-
-
-def smallest_epsilon(delta_of_epsilon, delta: float, upper: float, tolerance: float = 1e-5) -> float:
-    """The smallest epsilon in [0, upper] whose bound is <= delta, to ``tolerance`` (relative).
-
-    The bound decreases in epsilon. Brent's method on ln(bound) - ln(delta) (smooth, so about ten
-    evaluations), then the result is moved up until its own bound is <= delta. Returns ``upper``
-    when even that does not meet delta (the caller's other bound applies there).
-    """
-    import scipy.optimize
-
-    if not math.isfinite(upper) or delta_of_epsilon(upper) > delta:
-        return upper
-    if delta_of_epsilon(0.0) <= delta:
-        return 0.0
-    log_delta = math.log(delta)
-
-    def excess(epsilon):
-        value = delta_of_epsilon(epsilon)
-        return (math.log(value) if value > 0.0 else -745.0) - log_delta
-
-    root = scipy.optimize.brentq(excess, 0.0, upper, xtol=tolerance * max(1.0, upper), rtol=tolerance)
-    step = tolerance * max(1.0, root)
-    candidate = min(upper, root + step)
-    while candidate < upper and delta_of_epsilon(candidate) > delta:
-        step *= 2.0
-        candidate = min(upper, root + step)
-    return candidate

@@ -32,10 +32,9 @@ import numbers
 from dataclasses import dataclass
 
 import numpy as np
-import scipy.optimize
 
 from opake.accounting.confidence import kl_lower_bound, kl_upper_bound
-from opake.accounting.process import check_delta, check_epsilon
+from opake.accounting.process import check_delta, check_epsilon, smallest_epsilon
 from opake.dpftrl.accounting.bin_gram import bin_gram_of_run
 from opake.dpftrl.noise.priced import PricedNoise
 
@@ -239,18 +238,9 @@ class BallsInBinsMonteCarlo:
 
     def _smallest_epsilon(self, curve, delta: float):
         """Smallest eps >= 0 with curve(eps) <= delta (curve non-increasing); None if none."""
-        if curve(0.0) <= delta:
-            return 0.0
         top = max(float(self.remove_losses[0]), float(-self.add_losses[0]), 0.0)
         top = top + 1e-9 * max(1.0, top)  # beyond the largest loss every term is zero
-        if curve(top) > delta:
-            return None
-        root = scipy.optimize.brentq(lambda e: curve(e) - delta, 0.0, top, xtol=1e-12, rtol=1e-12)
-        step = 1e-12 * max(1.0, root)
-        while curve(root) > delta:
-            root += step
-            step *= 2.0
-        return root
+        return smallest_epsilon(curve, delta, top)
 
 
 def _check_int(name: str, value, minimum: int) -> int:

@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 import dp_accounting
 from dp_accounting.pld import PLDAccountant
 
+from opake.accounting.calibrate import calibrate
+from opake.accounting.gaussian import gaussian
 from opake.accounting.process import check_delta, check_epsilon
 from opake.dpftrl.accounting.gaussian import MFGaussian
 from opake.dpftrl.noise.priced import PricedNoise
@@ -208,8 +210,7 @@ def poisson(
             f"strategy) and let poisson supply the participation"
         )
     bound = inner if inner.is_bound else inner.bind(n, bands, compositions)
-    coefs = getattr(bound.mechanism, "coefs", None)
-    column_norm = 1.0 if coefs is None else math.sqrt(math.fsum(float(v) * float(v) for v in coefs))
+    column_norm = banded_column_norm(bound.mechanism)
     accountant = PLDAccountant(
         dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE, value_discretization_interval=interval,
     )
@@ -218,3 +219,21 @@ def poisson(
         bound=bound, sample_rate=rate, n_steps=n, num_groups=bands, compositions=compositions,
         column_norm=column_norm, value_discretization_interval=interval, _accountant=accountant,
     )
+
+
+def banded_column_norm(mechanism) -> float:
+    """||c||_2 of a banded mechanism's first column (1 for the identity): Band23 Thm 4's sigma_eff
+    is the noise multiplier divided by it (the first column holds the whole band)."""
+    coefs = getattr(mechanism, "coefs", None)
+    return 1.0 if coefs is None else math.sqrt(math.fsum(float(v) * float(v) for v in coefs))
+
+
+def noise_multiplier_guess(sample_rate: float, compositions: int, column_norm: float, budget) -> float:
+    """A starting point for calibrating ``poisson`` (not a bound; ``calibrate_near`` brackets it).
+
+    For small rates a composition of k Poisson-sampled Gaussians behaves like one Gaussian with
+    mu ~ q sqrt(k) / sigma_eff (the central limit regime of Dong, Roth and Su 2022), so
+    sigma_eff ~ q sqrt(k) sigma_gauss(budget); below about 0.6 that regime ends and 0.6 is used.
+    """
+    sigma_gauss = calibrate(budget, gaussian, 1e-3, 1e4, rtol=1e-3).param
+    return column_norm * max(0.6, sample_rate * math.sqrt(compositions) * sigma_gauss)

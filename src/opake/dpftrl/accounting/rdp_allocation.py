@@ -38,7 +38,7 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 from scipy.special import gammaln
 
-from opake.accounting.process import check_delta, check_epsilon
+from opake.accounting.process import check_delta, check_epsilon, smallest_epsilon
 from opake.dpftrl.accounting import allocation_hockey_stick as hockey_stick
 from opake.dpftrl.accounting.bin_gram import bin_gram_of_run
 from opake.dpftrl.noise.priced import PricedNoise
@@ -305,16 +305,21 @@ class BallsInBinsRDP:
         # Each direction: its Renyi epsilon, lowered by the direct bound where that is smaller
         # (searched below the Renyi value only); the run's epsilon is the larger direction's.
         add = min(rdp_epsilon(self.add, delta), cap)
-        add = hockey_stick.smallest_epsilon(lambda eps: hockey_stick.add_delta(self.add_candidates, eps), delta, add)
+        add = _lowered(lambda eps: hockey_stick.add_delta(self.add_candidates, eps), delta, add)
         remove = min(rdp_epsilon(self.remove, delta), cap)
         if remove > add:  # the remove direction decides only above the add direction's epsilon
-            remove = hockey_stick.smallest_epsilon(lambda eps: hockey_stick.remove_delta(self.remove_table, eps),
-                                                   delta, remove)
+            remove = _lowered(lambda eps: hockey_stick.remove_delta(self.remove_table, eps), delta, remove)
         return min(max(remove, add), cap)
 
     def delta_at(self, epsilon: float) -> float:
         epsilon = check_epsilon(epsilon)
         return min(max(self.remove_delta(epsilon), self.add_delta(epsilon)), self.rigorous.delta_at(epsilon))
+
+
+def _lowered(delta_of_epsilon, delta: float, epsilon: float) -> float:
+    """``epsilon`` (already certified), lowered to where the direct bound certifies delta if that is smaller."""
+    found = smallest_epsilon(delta_of_epsilon, delta, epsilon, rtol=1e-5)
+    return epsilon if found is None else found
 
 
 def rdp_allocation(rigorous) -> BallsInBinsRDP:
