@@ -201,7 +201,7 @@ def run_worlds(strategy, make_sampler: Callable[[int, RngKey], object], *, num_e
 def _period(sampler) -> int:
     if isinstance(sampler, LegacyFixedSizeSampler):
         return sampler.num_batches
-    return sampler.num_bins
+    return getattr(sampler, "num_bins", None) or sampler.num_groups  # balls in bins, cyclic Poisson
 
 
 def _run_chunk(strategy, samplers, members, participation, sigma, others, num_examples, noise_key, totals):

@@ -33,6 +33,11 @@ Cases (MU = 1.25 everywhere):
     model at every threshold, and the attack certifies mu >= 0.7 (false failure < 3e-13): no
     hidden slack. The legacy sampler with batch_size = N pushes one example out of D' (prob.
     N/(N+1)): 2 mu; it FAILS (analytic false pass < 1e-21; measured margin +0.21).
+The same worlds are also checked against balls_in_bins' default (amplified) claim: the
+2-bin runs pass it and the legacy runs fail it. Poisson DP-SGD (``CyclicPoissonSampler`` with one
+group, rate 0.5, N = 6, 4 steps, the other examples' gradients zero so that T sees only x)
+passes its PLD claim (``poisson``, Band23 Thm 4; measured margin -0.03), and the same run priced
+as if the rate were 0.125 FAILS (measured margin +0.09).
 The legacy runs also match their model ("x in, y out" with probability N/(N+1)) at every
 threshold (exact binomial intervals, 1e-10 per count), so the failure is the one described.
 
@@ -57,6 +62,7 @@ from end_to_end_support import (
 )
 import opake.dpftrl.accounting as dpftrl_acc
 from opake.dpftrl.noise import blt_strategy, identity_strategy
+from opake.dpftrl.sampling import CyclicPoissonSampler
 from opake.dpftrl.participation import Participation
 from opake.dpftrl.sampling import BallsInBinsSampler
 from opake.random import key
@@ -225,3 +231,35 @@ def test_legacy_sampler_pushes_an_example_out_when_one_is_added():
         pushed_out += int(6 in used_dp.tolist())
     # x is used with probability 6/7 (171 of 200 expected; 140..195 holds except w.p. < 1e-9).
     assert 140 <= pushed_out <= 195, pushed_out
+
+
+@functools.lru_cache(maxsize=None)
+def _poisson_run():
+    """Poisson DP-SGD (one group, rate 0.5) through the real sampler, clipping and engine.
+
+    The other examples carry zero gradient, so T sees only x: the worst case of Band23 Thm 4's
+    dominating pair, PoissonSampled(0.5, Gaussian) composed 4 times.
+    """
+    sampler = lambda num_examples, sampler_key: CyclicPoissonSampler(num_examples, 1, 0.5, sampler_key)  # noqa: E731
+    return run_worlds(identity_strategy(), sampler, num_examples=6, n_steps=4, mu=MU, others=0.0,
+                      worlds=WORLDS, chunk=200, seed=41)
+
+
+def _poisson_claim(run, sample_rate):
+    return dpftrl_acc.poisson(dpftrl_acc.mf_gaussian(run.noise_multiplier, identity_strategy()), sample_rate, 4)
+
+
+def test_poisson_dp_sgd_run_respects_its_pld_claim():
+    run = _poisson_run()
+    assert run.participation == Participation(4, 1, 4)
+    assert run.examples_seen == run.examples_expected  # every drawn example went through clipping
+    assert run.clipped_examples == run.nonzero_examples > 0  # x, each time it was drawn (norm 1024 > 1)
+    check = check_claim(dataclasses.replace(run, accountant=_poisson_claim(run, 0.5)))
+    assert not check.violated, f"the Poisson run beats its PLD claim: {check}"
+
+
+def test_a_poisson_claim_at_a_quarter_of_the_real_rate_is_refuted():
+    """Negative control: pricing the run as if each example were drawn at rate 0.125, not 0.5."""
+    run = _poisson_run()
+    check = check_claim(dataclasses.replace(run, accountant=_poisson_claim(run, 0.125)))
+    assert check.violated and check.margin > 0.05, check
