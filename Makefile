@@ -10,7 +10,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch is pinned here (a CPU wheel lies on the machine's disk); the library itself asks only torch>=2.4
 	$(PY) -m pip install --quiet "torch==2.13.0"
-	$(PY) -m pip install --quiet -e ".[test,demo]"
+	$(PY) -m pip install --quiet -e ".[test,demo,transformers]"
 	touch $@
 
 setup: $(VENV)/.installed

@@ -58,11 +58,11 @@ def main():
         print("BLT rows skipped (--skip-blt)")
     else:
         try:
-            from opake.dpftrl.noise import blt_optimize  # noqa: F401
+            from opake.dpftrl.strategies import blt_optimize  # noqa: F401
 
             strategies.append(("blt(10)", blt_strategy(max_buffers=10)))
         except ImportError:
-            print("opake.dpftrl.noise.blt_optimize is missing: BLT rows skipped")
+            print("opake.dpftrl.strategies.blt_optimize is missing: BLT rows skipped")
     for name, strategy in strategies:
         for context in CONTEXTS:
             start = time.perf_counter()
@@ -104,7 +104,7 @@ def main():
             estimate = proc.epsilon_estimate(1e-3)
             eps_time = time.perf_counter() - start
             start = time.perf_counter()
-            rdp = dpftrl_acc.balls_in_bins(inner, num_bins=100, n_steps=n_steps, method="rdp")
+            rdp = dpftrl_acc.balls_in_bins(inner, num_bins=100, n_steps=n_steps, method="amplified")
             rdp_time = time.perf_counter() - start
             print(
                 f"{name:10} {n_steps:8d} {build:10.3f} {build / 10:6.3f} {eps_time * 1e3:9.1f} "
@@ -123,7 +123,7 @@ def seed_balls_in_bins():
     proven = dpftrl_acc.balls_in_bins(inner, num_bins=100, n_steps=500)
     epsilon = proven.epsilon_at(DELTA)
     seconds = time.perf_counter() - start
-    from opake.dpftrl.accounting.rdp_allocation import rdp_epsilon
+    from opake.dpftrl.accounting.allocation.rdp import rdp_epsilon
 
     renyi = max(rdp_epsilon(proven.remove, DELTA), rdp_epsilon(proven.add, DELTA))
     print("\nseed example: balls_in_bins(mf_gaussian(1.0, blt_strategy(max_buffers=10)), 100 bins, 500 steps)")

@@ -26,8 +26,8 @@ from threadpoolctl import threadpool_limits
 
 from opake.dpftrl.accounting import mf_gaussian, poisson
 from opake.dpftrl.noise import band_mf_strategy, blt_strategy, identity_strategy
-from opake.dpftrl.noise.band_mf import _resolve_band_mf
-from opake.dpftrl.noise.strategy import _resolve_blt
+from opake.dpftrl.strategies.band_mf import _resolve_band_mf
+from opake.dpftrl.strategies.strategy import _resolve_blt
 
 OUT = Path(__file__).resolve().parent / "out"
 

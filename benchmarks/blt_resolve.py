@@ -113,10 +113,10 @@ def resolve_ours(n: int, min_sep: int, k: int | None, error: str) -> dict:
     """One cold resolve of opake's BLT recipe; every failure becomes an 'error' entry."""
     try:
         from opake.dpftrl.noise import blt_strategy
-        from opake.dpftrl.noise import strategy as strategy_module
+        from opake.dpftrl.strategies import strategy as strategy_module
 
         try:  # import the optimizer outside the timed region
-            import opake.dpftrl.noise.blt_optimize  # noqa: F401
+            import opake.dpftrl.strategies.blt_optimize  # noqa: F401
         except Exception:  # noqa: BLE001 - resolve() below reports it
             pass
         recipe = blt_strategy(max_buffers=MAX_BUFFERS, error=error)
@@ -144,8 +144,8 @@ def resolve_ours(n: int, min_sep: int, k: int | None, error: str) -> dict:
 def evaluate_with_ours(theta, omega, n: int, min_sep: int, k: int | None, error: str) -> float | None:
     """The loss of (the peer's) BLT parameters under opake's own sensitivity and error formulas."""
     try:
-        from opake.dpftrl.noise import blt
-        from opake.dpftrl.noise.strategy import mechanism_from_blt
+        from opake.dpftrl.strategies import blt
+        from opake.dpftrl.strategies.strategy import mechanism_from_blt
         from opake.dpftrl.participation import Participation
 
         mech = mechanism_from_blt(blt.BLTParams(np.asarray(theta), np.asarray(omega)),

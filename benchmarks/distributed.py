@@ -30,8 +30,8 @@ ONE_MINUS_THETA = (0.5, 2.0**-6, 2.0**-12, 2.0**-20)
 
 
 def mechanism(n_steps: int):
-    from opake.dpftrl.noise.blt import BLTParams
-    from opake.dpftrl.noise.strategy import mechanism_from_blt
+    from opake.dpftrl.strategies.blt import BLTParams
+    from opake.dpftrl.strategies.strategy import mechanism_from_blt
     from opake.dpftrl.participation import Participation
 
     params = BLTParams(theta=1.0 - np.asarray(ONE_MINUS_THETA), omega=np.asarray(OMEGA))

@@ -94,7 +94,7 @@ def worker(elements: int, tensors: int, buffers: int, repeats: int, threads: int
     cuda = device.startswith("cuda")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     from opake.dpftrl.noise import mf_gaussian_noise
-    from opake.dpftrl.noise.strategy import Mechanism
+    from opake.dpftrl.strategies.strategy import Mechanism
     from opake.dpftrl.participation import Participation
     from opake.random import key
     from opake.types import clipped

@@ -21,9 +21,9 @@ import opake.dpftrl.accounting as dpftrl_acc
 from dense import brute_force_sensitivity_squared, lower_toeplitz, blt_coefs
 from opake.accounting import gaussian
 from opake.dpftrl.clipping import ClipState, NonFiniteGradientError, clipped_grad
-from opake.dpftrl.noise import blt, blt_strategy, identity_strategy, mf_gaussian_noise
+from opake.dpftrl.strategies import blt, blt_strategy, identity_strategy, mf_gaussian_noise
 from opake.dpftrl.noise.engine.state import NoiseHorizonError
-from opake.dpftrl.noise.strategy import mechanism_from_blt
+from opake.dpftrl.strategies.strategy import mechanism_from_blt
 from opake.dpftrl.participation import Participation
 from opake.random import key
 from opake.types import clipped

@@ -18,8 +18,8 @@ from dense import (
     per_query_errors,
 )
 from opake.dpftrl.noise import BandMFStrategy, band_mf_strategy, identity_strategy, mf_gaussian_noise
-from opake.dpftrl.noise import band_mf_optimize, toeplitz
-from opake.dpftrl.noise.band_mf import BandedMechanism, _resolve_band_mf, mechanism_from_coefs
+from opake.dpftrl.strategies import band_mf_optimize, toeplitz
+from opake.dpftrl.strategies.band_mf import BandedMechanism, _resolve_band_mf, mechanism_from_coefs
 from opake.dpftrl.participation import Participation
 from opake.random import key
 from test_engine_support import run_noise
@@ -261,7 +261,7 @@ def test_streamed_noise_equals_dense_inverse_times_the_same_draws(bands, context
 def test_a_long_resolution_warns_with_its_expected_cost(monkeypatch):
     import warnings
 
-    from opake.dpftrl.noise import band_mf
+    from opake.dpftrl.strategies import band_mf
 
     monkeypatch.setattr(band_mf, "SLOW_RESOLUTION_STEPS", 250)
     strategy = band_mf.band_mf_strategy(bands=3)

@@ -1,4 +1,4 @@
-"""opake.dpftrl.noise.blt against independent oracles (tests/dense.py, mpmath, hand formulas).
+"""opake.dpftrl.strategies.blt against independent oracles (tests/dense.py, mpmath, hand formulas).
 
 Tolerances (why they are what they are):
 - dense oracles (n <= 64) and direct sums are accurate to ~1e-14 relative: unit-diagonal
@@ -26,7 +26,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import dense
-from opake.dpftrl.noise import blt, toeplitz
+from opake.dpftrl.strategies import blt, toeplitz
 from opake.dpftrl.participation import Participation
 
 RTOL = 1e-10

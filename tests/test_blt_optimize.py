@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import dense
-from opake.dpftrl.noise import blt, blt_optimize, blt_strategy, identity_strategy
-from opake.dpftrl.noise.strategy import _resolve_blt
+from opake.dpftrl.strategies import blt, blt_optimize, blt_strategy, identity_strategy
+from opake.dpftrl.strategies.strategy import _resolve_blt
 
 
 def _dense_loss(mech, momentum=1.0, schedule=None):

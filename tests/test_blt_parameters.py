@@ -15,8 +15,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import dense
-from opake.dpftrl.noise import blt, blt_strategy
-from opake.dpftrl.noise.blt_optimize import optimize
+from opake.dpftrl.strategies import blt, blt_strategy
+from opake.dpftrl.strategies.blt_optimize import optimize
 from opake.dpftrl.participation import Participation
 
 RTOL = 1e-10

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from opake.dpftrl.noise import blt, blt_strategy
+from opake.dpftrl.strategies import blt, blt_strategy
 from opake.dpftrl.participation import Participation
 
 CACHE = Path(__file__).resolve().parents[1] / "benchmarks" / "peer_cache" / "jax_privacy_blt.json"

@@ -22,7 +22,7 @@ from test_dpftrl_accounting_gaussian import (
 )
 
 import opake.dpftrl.accounting as dpftrl_acc
-from opake.dpftrl.accounting.bin_gram import bin_gram_matrix
+from opake.dpftrl.accounting.allocation.bin_gram import bin_gram_matrix
 from opake.dpftrl.noise import blt_strategy, identity_strategy
 
 # --- independent references ------------------------------------------------------------------

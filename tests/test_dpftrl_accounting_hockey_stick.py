@@ -1,4 +1,4 @@
-"""Direct hockey-stick bounds of the balls-in-bins dominating pair (allocation_hockey_stick.py).
+"""Direct hockey-stick bounds of the balls-in-bins dominating pair (allocation/hockey_stick.py).
 
 Oracles written here: the exact Gaussian hockey-stick divergences (one bin), 2-D quadrature of
 both exact divergences for two bins (any Gram), and the Monte Carlo lower confidence bound for
@@ -13,7 +13,7 @@ from scipy.special import ndtr
 
 import opake.dpftrl.accounting as dpftrl_acc
 from opake.accounting.process import smallest_epsilon
-from opake.dpftrl.accounting import allocation_hockey_stick as hockey_stick
+from opake.dpftrl.accounting.allocation import hockey_stick
 from opake.dpftrl.noise import blt_strategy, identity_strategy
 
 

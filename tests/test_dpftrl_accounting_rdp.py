@@ -15,8 +15,8 @@ from test_dpftrl_accounting_balls_in_bins import dense_gram
 from test_dpftrl_accounting_gaussian import HAND_BLT, HandBLTRecipe, dense_coefficients
 
 import opake.dpftrl.accounting as dpftrl_acc
-from opake.dpftrl.accounting import rdp_allocation
-from opake.dpftrl.accounting.rdp_allocation import (
+from opake.dpftrl.accounting.allocation import rdp as rdp_allocation
+from opake.dpftrl.accounting.allocation.rdp import (
     add_rdp_upper_bound,
     exact_remove_rdp,
     majorized_remove_rdp,
@@ -219,9 +219,9 @@ def test_rdp_for_a_blt_is_between_monte_carlo_and_unamplified():
 
 def test_rdp_refuses_negative_entries_and_monte_carlo_arguments():
     signed = dpftrl_acc.mf_gaussian(1.0, HandBLTRecipe(theta=(0.5,), omega=(-0.3,)))
-    with pytest.raises(ValueError, match="method='rdp' needs a strategy matrix with non-negative entries"):
+    with pytest.raises(ValueError, match="method='amplified' needs a strategy matrix with non-negative entries"):
         dpftrl_acc.balls_in_bins(signed, num_bins=2, n_steps=4, method="rdp")
-    with pytest.raises(ValueError, match="seed apply only to method='monte_carlo'; drop them for method='rdp'"):
+    with pytest.raises(ValueError, match="seed apply only to method='monte_carlo'; drop them for method='amplified'"):
         dpftrl_acc.balls_in_bins(dpftrl_acc.mf_gaussian(1.0, HAND_BLT), num_bins=2, n_steps=4, method="rdp", seed=0)
 
 
@@ -263,3 +263,11 @@ def test_extreme_noise_multipliers_give_finite_answers_never_above_the_unamplifi
         assert math.isfinite(epsilon) and 0.0 <= epsilon <= process.rigorous.epsilon_at(delta)
     for epsilon in [0.5, 1.0, 50.0]:
         assert 0.0 <= process.delta_at(epsilon) <= process.rigorous.delta_at(epsilon) <= 1.0
+
+
+def test_rdp_is_an_alias_of_amplified():
+    inner = dpftrl_acc.mf_gaussian(1.0, HAND_BLT)
+    old = dpftrl_acc.balls_in_bins(inner, num_bins=4, n_steps=12, method="rdp")
+    new = dpftrl_acc.balls_in_bins(inner, num_bins=4, n_steps=12, method="amplified")
+    assert type(old) is type(new)
+    assert old.epsilon_at(1e-5) == new.epsilon_at(1e-5)

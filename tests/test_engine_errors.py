@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from opake.dpftrl.noise import identity_strategy, mf_gaussian_noise
-from opake.dpftrl.noise.strategy import Mechanism
+from opake.dpftrl.strategies.strategy import Mechanism
 from opake.dpftrl.participation import Participation
 from opake.random import key
 from opake.types import clipped

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from scipy.linalg import solve_triangular
 
-from opake.dpftrl.noise.strategy import Mechanism
+from opake.dpftrl.strategies.strategy import Mechanism
 from opake.dpftrl.participation import Participation
 from opake.types import clipped
 

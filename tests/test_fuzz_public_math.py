@@ -30,7 +30,7 @@ from dense import (
     per_query_errors as dense_per_query_errors,
 )
 from opake.accounting import gaussian
-from opake.dpftrl.noise import blt, blt_strategy, identity_strategy, toeplitz
+from opake.dpftrl.strategies import blt, blt_strategy, identity_strategy, toeplitz
 from opake.dpftrl.participation import Participation
 from opake.random import key
 

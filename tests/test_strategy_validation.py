@@ -10,8 +10,8 @@ import math
 import numpy as np
 import pytest
 
-from opake.dpftrl.noise import blt, blt_strategy, identity_strategy
-from opake.dpftrl.noise.strategy import mechanism_from_blt
+from opake.dpftrl.strategies import blt, blt_strategy, identity_strategy
+from opake.dpftrl.strategies.strategy import mechanism_from_blt
 from opake.dpftrl.participation import Participation
 
 

@@ -1,4 +1,4 @@
-"""opake.dpftrl.noise.toeplitz against the dense / brute-force oracles of tests/dense.py.
+"""opake.dpftrl.strategies.toeplitz against the dense / brute-force oracles of tests/dense.py.
 
 Tolerances: the oracles are float64 dense solves and sums over at most a few thousand terms of
 O(1) size, exact to ~1e-14 relative for these well-conditioned unit-lower-triangular matrices;
@@ -15,7 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import dense
-from opake.dpftrl.noise import toeplitz
+from opake.dpftrl.strategies import toeplitz
 
 RTOL = 1e-10
 

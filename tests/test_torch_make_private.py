@@ -116,7 +116,7 @@ def test_steps_equal_the_functional_layer_with_the_same_keys():
     # which is capped by the unamplified bound for the sampler's participation.
     unamplified = dpftrl_acc.mf_gaussian(1.3, strategy, context.n_steps, context.min_sep, context.max_participations)
     amplified = dpftrl_acc.balls_in_bins(dpftrl_acc.mf_gaussian(1.3, strategy), num_bins=5, n_steps=10, method="rdp")
-    assert private.plan.accounting == "rdp" and private.plan.sampling == "balls_in_bins"
+    assert private.plan.accounting == "amplified" and private.plan.sampling == "balls_in_bins"
     assert private.epsilon == pytest.approx(amplified.epsilon_at(1e-5), rel=1e-12)
     assert private.epsilon <= unamplified.epsilon_at(1e-5)
 
@@ -394,7 +394,7 @@ def test_poisson_sampling_with_a_blt_is_refused_before_the_module_is_touched(str
 def test_amplification_never_needs_more_noise_than_the_unamplified_bound():
     amplified = _make(batch_size=4, epochs=1)                       # 5 bins, one epoch: amplification helps
     unamplified = _make(batch_size=4, epochs=1, amplification=False)
-    assert (amplified.plan.accounting, unamplified.plan.accounting) == ("rdp", "rigorous")
+    assert (amplified.plan.accounting, unamplified.plan.accounting) == ("amplified", "rigorous")
     assert amplified.noise_multiplier < unamplified.noise_multiplier
     assert amplified.epsilon <= 3.0 and unamplified.epsilon <= 3.0
     assert "amplified" in amplified.plan.accountant.description

@@ -205,7 +205,7 @@ def _plot(plan, path: str) -> None:
         raise ValueError("--plot needs matplotlib: pip install matplotlib") from None
     import numpy as np
 
-    from opake.dpftrl.noise import toeplitz
+    from opake.dpftrl.strategies import toeplitz
 
     n = plan.participation.n_steps
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))

@@ -194,7 +194,7 @@ def plan_dataset(
 
     * "BLT", balls-in-bins sampler (num_bins = num_examples // batch_size bins, min_sep =
       num_bins, max_participations = epochs), unamplified (``balls_in_bins``, rigorous);
-    * "BLT amplified", same sampler, the proven amplified bound (``method="rdp"``: Renyi and direct hockey-stick);
+    * "BLT amplified", same sampler, the proven amplified bound (``method="amplified"``: Renyi and direct hockey-stick);
     * "BandMF", cyclic Poisson with ``cyclic_poisson_bands`` groups, PLD (Band23 Thm 4);
     * "DP-SGD Poisson", Poisson sampling at rate batch_size / num_examples each step, PLD: the
       DP-SGD Opacus users run;
@@ -223,7 +223,7 @@ def plan_dataset(
     blt_row = rows[0]
     # the amplified bound is capped by the unamplified one, so the unamplified sigma meets the budget
     amplified = calibrate_near(
-        budget, lambda sigma: balls_in_bins(mf_gaussian(sigma, blt_row.strategy), num_bins, n, method="rdp"),
+        budget, lambda sigma: balls_in_bins(mf_gaussian(sigma, blt_row.strategy), num_bins, n, method="amplified"),
         blt_row.noise_multiplier, _SIGMA_RANGE[0], blt_row.noise_multiplier, rtol=_RTOL,
     )
     rows.insert(1, _row("BLT amplified", blt_row.strategy, blt_row.mechanism, amplified, bins,

@@ -322,7 +322,7 @@ class BallsInBinsSampler(_CyclicSampler):
 
     Once, at construction, every example is put in one of ``num_bins`` bins, independently and
     uniformly at random: example i's bin is a function of ``key`` and ``i`` only. Step t's batch
-    is bin ``t mod num_bins``. This is the scheme ``opake.dpftrl.accounting.balls_in_bins(inner,
+    is bin ``t mod num_bins``. This is the scheme ``opake.dpftrl.accounting.allocation.balls_in_bins(inner,
     num_bins, n_steps)`` prices, and under add/remove adjacency one added or removed example
     changes no other example's bin distribution (module docstring).
 

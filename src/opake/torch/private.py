@@ -32,7 +32,7 @@ The plan, in order (each piece is one of opake's layers, used as documented ther
    (``strategy_for_optimizer``: torch SGD's momentum, dampening and LR schedule; prefix sums
    for Adam-type optimizers), resolved for that participation.
 3. **Accountant and noise multiplier**: balls in bins is priced by ``balls_in_bins(...,
-   method="rdp")``, the proven amplified bound (``amplification=True``, default; it needs a
+   method="amplified")``, the proven amplified bound (``amplification=True``, default; it needs a
    strategy matrix with non-negative entries and is capped by the unamplified bound, so it is
    never worse), or by ``method="rigorous"``, the unamplified bound (``amplification=False``);
    cyclic Poisson by ``poisson(...)``: Band23 Thm 4, PoissonSampled Gaussians composed
@@ -74,12 +74,12 @@ from torch import nn
 
 import opake.accounting as acc
 import opake.dpftrl.accounting as dpftrl_acc
-from opake.dpftrl.accounting.bin_gram import has_non_negative_entries
+from opake.dpftrl.accounting.allocation.bin_gram import has_non_negative_entries
 from opake.dpftrl.accounting.poisson import noise_multiplier_guess
 from opake._checks import positive_finite
 from opake.dpftrl.noise import blt_strategy, mf_gaussian_noise, sharded_mf_gaussian_noise
-from opake.dpftrl.noise.band_mf import BandMFStrategy
-from opake.dpftrl.noise.strategy import IdentityStrategy
+from opake.dpftrl.strategies.band_mf import BandMFStrategy
+from opake.dpftrl.strategies.strategy import IdentityStrategy
 from opake.dpftrl.participation import Participation
 from opake.dpftrl.sampling import BallsInBinsSampler, CyclicPoissonSampler
 from opake.random import RngKey, key as make_key
@@ -109,7 +109,7 @@ class PrivacyPlan:
     ``sampling`` is ``"balls_in_bins"`` (``num_bins`` bins; ``num_groups`` and ``sample_rate``
     are None) or ``"poisson"`` (``num_groups`` groups, each member drawn with probability
     ``sample_rate``; ``num_bins`` is None). ``accounting`` names the bound ``accountant``
-    computes: ``"rdp"`` (balls in bins, amplified), ``"rigorous"`` (balls in bins,
+    computes: ``"amplified"`` (balls in bins, amplified), ``"rigorous"`` (balls in bins,
     unamplified) or ``"pld"`` (cyclic Poisson, Band23 Thm 4); ``accountant.description`` says
     it in words.
     """
@@ -193,6 +193,8 @@ class PrivateTraining:
             raise ValueError(f"checkpoint version {state_dict.get('version')!r} is not supported (reads {_VERSION})")
         mine = self.state_dict()
         saved_plan = {**_PLAN_BEFORE_SAMPLING, **state_dict["plan"]}
+        if saved_plan.get("accounting") == "rdp":  # the amplified bound's old name
+            saved_plan["accounting"] = "amplified"
         if state_dict["key"] != mine["key"] or saved_plan != mine["plan"]:
             raise ValueError(
                 "this checkpoint belongs to another plan or key (different sampling, bins, horizon, accounting "
@@ -237,7 +239,7 @@ def make_private(
     DataLoader (``num_workers``, ``pin_memory``, ...).
 
     ``sampling="balls_in_bins"`` (default) works with every strategy; ``amplification=True``
-    (default) prices it with the proven amplified bound ``balls_in_bins(..., method="rdp")``,
+    (default) prices it with the proven amplified bound ``balls_in_bins(..., method="amplified")``,
     ``amplification=False`` with the unamplified ``method="rigorous"``. The amplified bound
     needs a strategy matrix with non-negative entries; for one with a negative entry, pass
     ``amplification=False``. ``sampling="poisson"`` is cyclic Poisson sampling (Band23 Thm 4,
@@ -290,8 +292,8 @@ def make_private(
     participation = sampler.participation(epochs * steps_per_epoch)
     if strategy is None:
         strategy = strategy_for_optimizer(optimizer, participation.n_steps, lr_scheduler)
-    accounting = "pld" if poisson else ("rdp" if amplification else "rigorous")
-    if accounting == "rdp":
+    accounting = "pld" if poisson else ("amplified" if amplification else "rigorous")
+    if accounting == "amplified":
         _check_amplifiable(strategy, sampler, participation.n_steps)
     accountant_of_sigma = _accountant_for(strategy, sampler, participation.n_steps, accounting)
     plan_key = (strategy, accounting, sampling, getattr(sampler, "num_bins", None), getattr(sampler, "num_groups", None),

@@ -4,7 +4,7 @@
   one Gaussian with noise multiplier noise_multiplier / S (exact).
 * ``balls_in_bins(mf_gaussian(noise_multiplier, strategy), num_bins, n_steps)``: fixed bins
   processed cyclically; rigorous (unamplified) by default, a rigorous amplified RDP bound
-  (method="rdp") or a Monte Carlo estimate (method="monte_carlo") on request.
+  (method="amplified") or a Monte Carlo estimate (method="monte_carlo") on request.
 * ``poisson(mf_gaussian(noise_multiplier, strategy), sample_rate, n_steps)``: cyclic Poisson
   sampling for BandMF (Band23 Thm 4) and the identity strategy (DP-SGD), by PLD; refuses a BLT.
 
@@ -13,12 +13,12 @@ mechanism and the noise multiplier); ``check_noise_priced`` (what
 ``noise_fn.check_accounted_by(process)`` runs) refuses a noise stage that runs other noise.
 """
 
-from opake.dpftrl.accounting.balls_in_bins import BallsInBins, balls_in_bins
+from opake.dpftrl.accounting.allocation.balls_in_bins import BallsInBins, balls_in_bins
 from opake.dpftrl.accounting.gaussian import MFGaussian, UnboundMechanismError, mf_gaussian
-from opake.dpftrl.accounting.monte_carlo import BallsInBinsMonteCarlo, DeltaEstimate, EpsilonEstimate
+from opake.dpftrl.accounting.allocation.monte_carlo import BallsInBinsMonteCarlo, DeltaEstimate, EpsilonEstimate
 from opake.dpftrl.accounting.poisson import UnsupportedAmplificationError, poisson
 from opake.dpftrl.noise.priced import AccountingMismatchError, PricedNoise, check_noise_priced
-from opake.dpftrl.accounting.rdp_allocation import BallsInBinsRDP
+from opake.dpftrl.accounting.allocation.rdp import BallsInBinsRDP
 
 __all__ = [
     "AccountingMismatchError",

@@ -150,8 +150,8 @@ def _check_n_steps(n_steps) -> int:
 
 def _bands(strategy) -> int:
     """The number of bands b of a strategy the theorem covers; refuses everything else."""
-    from opake.dpftrl.noise.band_mf import BandMFStrategy
-    from opake.dpftrl.noise.strategy import BLTStrategy, IdentityStrategy
+    from opake.dpftrl.strategies.band_mf import BandMFStrategy
+    from opake.dpftrl.strategies.strategy import BLTStrategy, IdentityStrategy
 
     if isinstance(strategy, BLTStrategy):
         raise UnsupportedAmplificationError(BLT_ADVICE)

@@ -1,7 +1,11 @@
-"""Correlated noise: strategy recipes (BLT, BandMF, identity) and the streaming noise engine."""
+"""Correlated noise: the streaming noise engine, and the strategy recipes at the seed's import paths.
 
-from opake.dpftrl.noise.band_mf import BandMFStrategy, band_mf_strategy
-from opake.dpftrl.noise.strategy import (
+The recipes live in ``opake.dpftrl.strategies`` and are re-exported here once.
+"""
+
+from opake.dpftrl.strategies import (
+    BandMFStrategy,
+    band_mf_strategy,
     BLTStrategy,
     IdentityStrategy,
     Mechanism,

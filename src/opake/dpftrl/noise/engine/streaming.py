@@ -135,7 +135,7 @@ class BufferedInverse:
                 f"the BLT parameters are not exactly representable in {dtype}, so the noise would "
                 f"come from a slightly different mechanism than the one accounted for; resolve "
                 f"the strategy with blt_strategy(...) (its parameters are float32-exact), round "
-                f"hand-made ones with opake.dpftrl.noise.blt.round_for_float32, or pass "
+                f"hand-made ones with opake.dpftrl.strategies.blt.round_for_float32, or pass "
                 f"dtype=torch.float64"
             )
 
@@ -269,7 +269,7 @@ def _powers(log_theta: np.ndarray, exponents) -> np.ndarray:
 
 
 def streaming_inverse(mechanism):
-    """The streaming inverse for a resolved :class:`~opake.dpftrl.noise.strategy.Mechanism`.
+    """The streaming inverse for a resolved :class:`~opake.dpftrl.strategies.strategy.Mechanism`.
 
     Reads only plain arrays from the mechanism: a banded one (a ``coefs`` attribute that is not
     None, the first column of C) streams with :class:`BandedInverse`; zero buffers is the

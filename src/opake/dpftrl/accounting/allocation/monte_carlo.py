@@ -35,7 +35,7 @@ import numpy as np
 
 from opake.accounting.confidence import kl_lower_bound, kl_upper_bound
 from opake.accounting.process import check_delta, check_epsilon, smallest_epsilon
-from opake.dpftrl.accounting.bin_gram import bin_gram_of_run
+from opake.dpftrl.accounting.allocation.bin_gram import bin_gram_of_run
 from opake.dpftrl.noise.priced import PricedNoise
 
 _CHUNK_ENTRIES = 1 << 21  # samples x bins per chunk (16 MiB of float64)
@@ -145,7 +145,7 @@ class BallsInBinsMonteCarlo:
         """Refused: an estimate has no dominating event. Compose ``rigorous.dp_event`` instead."""
         raise TypeError(
             "a Monte Carlo estimate is not a proven bound, so it has no dp_event to compose; use "
-            "the rigorous process's event (this_process.rigorous.dp_event) or method='rdp'"
+            "the rigorous process's event (this_process.rigorous.dp_event) or method='amplified'"
         )
 
     @property

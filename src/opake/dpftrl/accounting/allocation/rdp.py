@@ -1,4 +1,4 @@
-"""A rigorous amplified bound for balls-in-bins through Renyi divergences (``method="rdp"``).
+"""A rigorous amplified bound for balls-in-bins through Renyi divergences (``method="amplified"``).
 
 Derivation in docs/balls_in_bins_rdp.md (after SK26; formulas re-derived in MATH.md section 6).
 With G the Gram matrix of C's bin columns and sigma the noise multiplier (clip 1), for integer
@@ -39,8 +39,8 @@ from numpy.lib.stride_tricks import sliding_window_view
 from scipy.special import gammaln
 
 from opake.accounting.process import check_delta, check_epsilon, smallest_epsilon
-from opake.dpftrl.accounting import allocation_hockey_stick as hockey_stick
-from opake.dpftrl.accounting.bin_gram import bin_gram_of_run
+from opake.dpftrl.accounting.allocation import hockey_stick
+from opake.dpftrl.accounting.allocation.bin_gram import bin_gram_of_run
 from opake.dpftrl.noise.priced import PricedNoise
 
 MAX_ORDER = 256
@@ -230,7 +230,7 @@ class BallsInBinsRDP:
 
     ``remove[i]`` bounds D_alpha(Q||P) and ``add[i]`` bounds D_alpha(P||Q), alpha = i + 2, each
     converted on its own by CKS20 Prop. 12; ``remove_table`` (built on first use, O(b^2 N)) and
-    ``add_candidates`` give the direct hockey-stick bounds of ``allocation_hockey_stick.py``. Per direction the smaller
+    ``add_candidates`` give the direct hockey-stick bounds of ``allocation/hockey_stick.py``. Per direction the smaller
     epsilon of the two is taken, the run's epsilon is the larger of the two directions', and the
     unamplified bound caps it.
     """
@@ -324,7 +324,7 @@ def _lowered(delta_of_epsilon, delta: float, epsilon: float) -> float:
 
 def rdp_allocation(rigorous) -> BallsInBinsRDP:
     """Build the amplified bound for the run priced (unamplified) by ``rigorous``."""
-    gram = bin_gram_of_run(rigorous, "rdp")
+    gram = bin_gram_of_run(rigorous, "amplified")
     sigma = rigorous.bound.noise_multiplier
     remove = remove_rdp_upper_bound(gram, sigma)
     weights = add_weight_candidates(gram, sigma)

@@ -7,11 +7,11 @@ supplies that participation (min_sep = b, max_participations = k) to an unbound
 
 * ``method="rigorous"``: the unamplified single-Gaussian bound for that participation
   (MATH.md section 6). A proven upper bound; it ignores the randomness of the bin assignment.
-* ``method="rdp"``: a rigorous *amplified* bound of the dominating pair, per direction the
-  better of Renyi divergences (``rdp_allocation.py``) and direct hockey-stick bounds
-  (``allocation_hockey_stick.py``; derivations in docs/balls_in_bins_rdp.md), capped by the
+* ``method="amplified"`` (``"rdp"`` is its old name, still accepted): a rigorous *amplified* bound of the dominating pair, per direction the
+  better of Renyi divergences (``allocation/rdp.py``) and direct hockey-stick bounds
+  (``allocation/hockey_stick.py``; derivations in docs/balls_in_bins_rdp.md), capped by the
   unamplified bound. Needs C >= 0 entrywise (true for a BLT and the identity).
-* default (``method=None``): the tightest proven bound that applies: "rdp" when C >= 0, else
+* default (``method=None``): the tightest proven bound that applies: "amplified" when C >= 0, else
   "rigorous". It costs about 0.3 s for b = 100 bins, 1 to 3 s at b = 1000.
 * ``method="monte_carlo"``: an *estimate* of the amplified privacy of the dominating pair,
   with confidence bounds (``monte_carlo.py``); never a guarantee.
@@ -22,13 +22,15 @@ from __future__ import annotations
 import numbers
 from dataclasses import dataclass
 
-from opake.dpftrl.accounting.bin_gram import has_non_negative_entries
+from opake.dpftrl.accounting.allocation.bin_gram import has_non_negative_entries
 from opake.dpftrl.accounting.gaussian import MFGaussian
-from opake.dpftrl.accounting.monte_carlo import BallsInBinsMonteCarlo, monte_carlo
+from opake.dpftrl.accounting.allocation.monte_carlo import BallsInBinsMonteCarlo, monte_carlo
 from opake.dpftrl.noise.priced import PricedNoise
-from opake.dpftrl.accounting.rdp_allocation import BallsInBinsRDP, rdp_allocation
+from opake.dpftrl.accounting.allocation.rdp import BallsInBinsRDP, rdp_allocation
 
-METHODS = ("rigorous", "monte_carlo", "rdp")
+METHODS = ("rigorous", "monte_carlo", "amplified")
+# Old names of a method, still accepted: "rdp" said Renyi only, before the direct hockey-stick bounds.
+METHOD_ALIASES = {"rdp": "amplified"}
 
 
 @dataclass(frozen=True)
@@ -103,9 +105,10 @@ def balls_in_bins(
         function supplies n_steps, min_sep=num_bins and max_participations=ceil(n_steps/num_bins).
       num_bins: number of bins b, 1 <= b <= n_steps.
       n_steps: number of training steps.
-      method: None (default: the tightest proven bound that applies, "rdp" when C >= 0
-        entrywise, else "rigorous"), "rigorous" (proven, unamplified), "rdp" (proven,
-        amplified; needs C >= 0) or "monte_carlo" (estimate; needs C >= 0).
+      method: None (default: the tightest proven bound that applies, "amplified" when C >= 0
+        entrywise, else "rigorous"), "rigorous" (proven, unamplified), "amplified" (proven,
+        amplified: Renyi and direct hockey-stick bounds; needs C >= 0; "rdp" is an alias) or
+        "monte_carlo" (estimate; needs C >= 0).
       num_samples, seed, confidence: Monte Carlo only. seed is required; num_samples
         defaults to 100_000 (rounded up to a multiple of num_bins), confidence to 0.95.
 
@@ -127,6 +130,7 @@ def balls_in_bins(
             f"num_bins must be <= n_steps ({n_steps}), got {num_bins}; with more bins than steps "
             "some bins are never processed; use num_bins <= n_steps"
         )
+    method = METHOD_ALIASES.get(method, method)
     if method is not None and method not in METHODS:
         raise ValueError(f"method must be None (the tightest proven bound) or one of {METHODS}, got {method!r}")
     if method != "monte_carlo":
@@ -141,10 +145,10 @@ def balls_in_bins(
     max_participations = -(-n_steps // num_bins)
     rigorous = BallsInBins(inner.bind(n_steps, num_bins, max_participations), num_bins, n_steps)
     if method is None:
-        method = "rdp" if has_non_negative_entries(rigorous) else "rigorous"
+        method = "amplified" if has_non_negative_entries(rigorous) else "rigorous"
     if method == "rigorous":
         return rigorous
-    if method == "rdp":
+    if method == "amplified":
         return rdp_allocation(rigorous)
     return monte_carlo(
         rigorous,

@@ -48,8 +48,8 @@ from dataclasses import dataclass
 import numpy as np
 from scipy import fft as sfft
 
-from opake.dpftrl.noise import toeplitz
-from opake.dpftrl.noise.lbfgs import minimize_until_stalled
+from opake.dpftrl.strategies import toeplitz
+from opake.dpftrl.strategies.lbfgs import minimize_until_stalled
 from opake.dpftrl.participation import Participation
 
 _MAX_ITERATIONS = 2000

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.optimize import brentq
 
-from opake.dpftrl.noise.geometric import (
+from opake.dpftrl.strategies.geometric import (
     complement_of_product,
     cumulative_geometric_sum,
     expm1,

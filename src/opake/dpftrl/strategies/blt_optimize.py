@@ -47,9 +47,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from opake.dpftrl.noise import blt
-from opake.dpftrl.noise.geometric import expm1
-from opake.dpftrl.noise.lbfgs import minimize_until_stalled
+from opake.dpftrl.strategies import blt
+from opake.dpftrl.strategies.geometric import expm1
+from opake.dpftrl.strategies.lbfgs import minimize_until_stalled
 from opake.dpftrl.participation import Participation
 
 BUFFER_GAIN = 1e-4

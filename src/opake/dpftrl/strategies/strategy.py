@@ -22,7 +22,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from opake.dpftrl.noise import blt
+from opake.dpftrl.strategies import blt
 from opake.dpftrl.participation import Participation
 
 _ERRORS = ("max", "mean")
@@ -275,7 +275,7 @@ class BLTStrategy:
 
 @functools.lru_cache(maxsize=256)
 def _resolve_blt(key: BLTStrategy, ctx: Participation, fingerprint, schedule_bytes, recipe) -> Mechanism:
-    from opake.dpftrl.noise import blt_optimize
+    from opake.dpftrl.strategies import blt_optimize
 
     schedule = None if schedule_bytes is None else np.frombuffer(schedule_bytes, dtype=np.float64)
     result = blt_optimize.optimize(

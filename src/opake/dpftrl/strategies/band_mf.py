@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from opake.dpftrl.noise import toeplitz
-from opake.dpftrl.noise.strategy import Mechanism, _context, _digest, _readonly
+from opake.dpftrl.strategies import toeplitz
+from opake.dpftrl.strategies.strategy import Mechanism, _context, _digest, _readonly
 from opake.dpftrl.participation import Participation
 
 _ERRORS = ("max", "mean")
@@ -197,7 +197,7 @@ def _warn_if_slow(recipe: BandMFStrategy, ctx: Participation) -> None:
 
 @functools.lru_cache(maxsize=256)
 def _resolve_band_mf(recipe: BandMFStrategy, ctx: Participation) -> BandedMechanism:
-    from opake.dpftrl.noise import band_mf_optimize
+    from opake.dpftrl.strategies import band_mf_optimize
 
     _warn_if_slow(recipe, ctx)
     result = band_mf_optimize.optimize(ctx, recipe.bands, recipe.error)
