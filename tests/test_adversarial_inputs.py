@@ -21,7 +21,8 @@ import opake.dpftrl.accounting as dpftrl_acc
 from dense import brute_force_sensitivity_squared, lower_toeplitz, blt_coefs
 from opake.accounting import gaussian
 from opake.dpftrl.clipping import ClipState, NonFiniteGradientError, clipped_grad
-from opake.dpftrl.strategies import blt, blt_strategy, identity_strategy, mf_gaussian_noise
+from opake.dpftrl.noise import mf_gaussian_noise
+from opake.dpftrl.strategies import blt, blt_strategy, identity_strategy
 from opake.dpftrl.noise.engine.state import NoiseHorizonError
 from opake.dpftrl.strategies.strategy import mechanism_from_blt
 from opake.dpftrl.participation import Participation
