@@ -30,11 +30,12 @@ private = make_private(module=model, optimizer=optimizer, dataset=train_ds,
                        batch_size=64, epochs=5, target_epsilon=3.0, target_delta=1e-5,
                        max_grad_norm=1.0, key=key(0))   # key: reproducible; omit it for a fresh one
 model, optimizer, loader = private.module, private.optimizer, private.data_loader
-scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=len(loader))
+scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=5 * len(loader))
 model.train()
-for x, y in loader:                                   # the usual loop, unchanged
-    optimizer.zero_grad(); F.cross_entropy(model(x), y).backward(); optimizer.step()
-    scheduler.step()
+for epoch in range(5):                                # the usual loop, unchanged: one epoch per pass
+    for x, y in loader:
+        optimizer.zero_grad(); F.cross_entropy(model(x), y).backward(); optimizer.step()
+        scheduler.step()
 
 with tempfile.TemporaryDirectory() as folder:
     path = Path(folder) / "run.pt"

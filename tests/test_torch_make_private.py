@@ -54,14 +54,18 @@ def test_the_issue_loop_runs_as_written_with_standard_objects():
                            target_epsilon=3.0, target_delta=1e-5, max_grad_norm=1.0, key=key(1))
     model, optimizer, loader = private.module, private.optimizer, private.data_loader
     model.train()                                       # dropout on: per-example randomness is fine
-    for x, y in loader:
-        optimizer.zero_grad(); F.cross_entropy(model(x), y).backward(); optimizer.step()
-        scheduler.step()
-    assert len(loader) == 12 and private.steps_taken == 12           # 2 epochs of 96 // 16 = 6 bins
+    for epoch in range(2):
+        assert len(loader) == 6                         # one epoch of 96 // 16 = 6 bins per pass
+        for x, y in loader:
+            optimizer.zero_grad(); F.cross_entropy(model(x), y).backward(); optimizer.step()
+            scheduler.step()
+    assert private.steps_taken == 12
     assert 2.9 < private.epsilon <= 3.0 and private.delta == 1e-5
     assert private.plan.participation.min_sep == 6 and private.plan.participation.max_participations == 2
-    with pytest.raises(PlanExhaustedError, match=r"priced 12 steps.*epochs"):
+    with pytest.raises(PlanExhaustedError, match=r"after all 12 planned steps.*epochs"):
         optimizer.step()
+    with pytest.raises(PlanExhaustedError, match=r"all 2 planned epochs \(12 steps\) have been served.*more epochs"):
+        next(iter(loader))
     buffer = io.BytesIO()
     torch.save(private.state_dict(), buffer)
     buffer.seek(0)
@@ -86,7 +90,7 @@ def test_steps_equal_the_functional_layer_with_the_same_keys():
     private = make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), dataset=dataset,
                            batch_size=8, epochs=2, noise_multiplier=1.3, target_delta=1e-5, max_grad_norm=0.5,
                            strategy=strategy, key=key(11))
-    for xb, yb in private.data_loader:
+    for xb, yb in private.run_data_loader():
         private.optimizer.zero_grad()
         F.cross_entropy(model(xb), yb).backward()
         private.optimizer.step()
@@ -144,7 +148,7 @@ def _tied_run(skip: bool):
                            batch_size=4, epochs=1, noise_multiplier=1.0, target_delta=1e-5, max_grad_norm=0.3,
                            strategy=blt_strategy(max_buffers=2), key=key(9))
     grads_after_backward = []
-    for step, (x, y) in enumerate(private.data_loader):
+    for step, (x, y) in enumerate(private.run_data_loader()):
         if step == 1 and not skip:  # the comparison run keeps autograd's weight gradients throughout
             private.optimizer.clipper.skip_autograd_weight_gradients(False)
         private.optimizer.zero_grad()
@@ -171,7 +175,7 @@ def test_after_the_first_step_autograd_computes_no_unclipped_weight_gradient():
 def test_a_layer_that_raises_returns_the_parameters_it_lent():
     model = _loss_sum_model()
     private = _make(model=model)
-    x, y = torch.randn(5, 5), torch.randint(0, 3, (5,))
+    x, y = next(iter(private.data_loader))
     private.optimizer.zero_grad(); F.cross_entropy(model(x), y).backward(); private.optimizer.step()
     hidden = model[2]
     with pytest.raises(RuntimeError):
@@ -194,7 +198,7 @@ def test_a_resumed_run_replays_to_the_same_parameters(tmp_path):
                                target_delta=1e-5, max_grad_norm=1.0, key=key(4))
         if resume_from is not None:
             private.load_state_dict(torch.load(resume_from, weights_only=True), draws="replay")
-        for index, (xb, yb) in enumerate(private.data_loader):
+        for index, (xb, yb) in enumerate(private.run_data_loader()):
             if stop_after is not None and index == stop_after:
                 torch.save(private.state_dict(), tmp_path / "run.pt")
                 return None
@@ -227,7 +231,7 @@ def test_frozen_parameters_get_no_noise_and_no_state():
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert private.optimizer.noise_state.buffers.shape[1] == trainable
     frozen_before = model[0].weight.detach().clone()
-    for xb, yb in private.data_loader:
+    for xb, yb in private.run_data_loader():
         private.optimizer.zero_grad()
         F.cross_entropy(model(xb), yb).backward()
         private.optimizer.step()
@@ -340,7 +344,7 @@ def _hooks(module: nn.Module) -> int:
 
 
 def _train(private, model):
-    for xb, yb in private.data_loader:
+    for xb, yb in private.run_data_loader():
         private.optimizer.zero_grad()
         F.cross_entropy(model(xb), yb).backward()
         private.optimizer.step()

@@ -123,7 +123,7 @@ def test_opacus_shaped_calls_train_and_return_model_optimizer_loader():
         assert privacy_engine.private.steps_taken == (epoch + 1) * 8
     assert _loss(model, dataset) < 0.8 * before
     assert 7.9 < privacy_engine.get_epsilon(DELTA) <= EPSILON
-    with pytest.raises(PlanExhaustedError, match="plan more epochs"):
+    with pytest.raises(PlanExhaustedError, match="more epochs than make_private"):
         next(iter(loader_out))
 
 
@@ -154,7 +154,7 @@ def test_epsilon_and_batches_are_make_privates_for_the_same_arguments_and_key():
             optimizer.zero_grad()
             F.cross_entropy(engine.private.module(x), y).backward()
             optimizer.step()
-    planned = [x for x, _y in direct.data_loader]
+    planned = [x for x, _y in direct.run_data_loader()]
     assert len(served) == len(planned) == EPOCHS * 8
     assert all(torch.equal(a, b) for a, b in zip(served, planned))
 

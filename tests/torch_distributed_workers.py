@@ -33,11 +33,12 @@ def train(seed_key=None, process_group_size: int = 1) -> dict:
                            target_delta=1e-5, max_grad_norm=0.3, strategy=blt_strategy(max_buffers=2),
                            key=key(3) if seed_key is None else seed_key)
     seen = []
-    for x, y in private.data_loader:
-        private.optimizer.zero_grad()
-        F.cross_entropy(net(x), y).backward()
-        private.optimizer.step()
-        seen.append(private.optimizer.last_step_examples)
+    for _epoch in range(EPOCHS):
+        for x, y in private.data_loader:
+            private.optimizer.zero_grad()
+            F.cross_entropy(net(x), y).backward()
+            private.optimizer.step()
+            seen.append(private.optimizer.last_step_examples)
     return {"params": {n: p.detach().clone() for n, p in net.named_parameters()}, "epsilon": private.epsilon,
             "examples": seen, "buffers": tuple(private.optimizer.noise_state.buffers.shape)}
 

@@ -179,11 +179,12 @@ def _train_private(method: Method, settings, train, learning_rate, seed, noise_m
         target_delta=settings.delta, max_grad_norm=settings.clipping_norm, strategy=method.strategy,
         sampling=method.sampling, amplification=method.amplification, key=key(seed), **budget,
     )
-    for x, y in private.data_loader:
-        private.optimizer.zero_grad()
-        torch.nn.functional.cross_entropy(module(x), y).backward()
-        private.optimizer.step()
-        progress.update(1)
+    for _epoch in range(settings.epochs):
+        for x, y in private.data_loader:
+            private.optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(module(x), y).backward()
+            private.optimizer.step()
+            progress.update(1)
     params = {"w1": module[0].weight.detach().T, "b1": module[0].bias.detach(),
               "w2": module[2].weight.detach().T, "b2": module[2].bias.detach()}
     return params, private

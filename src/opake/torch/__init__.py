@@ -9,7 +9,9 @@ clipping engine (hooks, ghost norms) underneath. Nothing below this package impo
 """
 
 from opake.torch.opacus_compat import PrivacyEngine
-from opake.torch.optimizer import DPOptimizer, PlanExhaustedError
+from opake.torch.loader import PlanExhaustedError, PlannedDataLoader, UnplannedBatchError
+from opake.torch.losses import UnsupportedLossError, token_mean_per_example
+from opake.torch.optimizer import DPOptimizer
 from opake.torch.private import PrivacyPlan, PrivateTraining, make_private, strategy_for_optimizer
 from opake.torch.validation import ModelValidationError, fix_model, validate_model
 
@@ -17,11 +19,15 @@ __all__ = [
     "DPOptimizer",
     "ModelValidationError",
     "PlanExhaustedError",
+    "PlannedDataLoader",
     "PrivacyEngine",
     "PrivacyPlan",
     "PrivateTraining",
     "fix_model",
     "make_private",
+    "UnplannedBatchError",
+    "UnsupportedLossError",
     "strategy_for_optimizer",
+    "token_mean_per_example",
     "validate_model",
 ]

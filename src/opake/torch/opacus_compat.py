@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import torch
 
-from opake.torch.optimizer import PlanExhaustedError
 from opake.torch.private import PrivateTraining, make_private
 
 __all__ = ["PrivacyEngine"]
@@ -133,44 +132,8 @@ class PrivacyEngine:
                                epochs=epochs, max_grad_norm=max_grad_norm, target_delta=target_delta,
                                **make_private_arguments, **loader_options)
         self.private = private
-        full = private.data_loader
-        epoch_loader = torch.utils.data.DataLoader(full.dataset, batch_sampler=_EpochBatches(private),
-                                                   collate_fn=full.collate_fn, **_reloaded(loader_options))
-        return private.module, private.optimizer, epoch_loader
+        return private.module, private.optimizer, private.data_loader  # one epoch of the plan per pass
 
-
-class _EpochBatches(torch.utils.data.Sampler):
-    """Batch sampler of one epoch of the plan per pass, from the optimizer's next untaken step.
-
-    Opacus scripts loop ``for epoch in range(EPOCHS): for batch in train_loader``; the plan's
-    own loader serves every step in one pass. Each pass here serves the steps from
-    ``private.steps_taken`` to the end of that epoch, so the batch of step t is the sampler's
-    batch(t) (as the accountant priced it) also after a resumed checkpoint. Step once per batch,
-    empty batches included.
-    """
-
-    def __init__(self, private: PrivateTraining):
-        super().__init__()
-        self._private = private
-
-    def _steps(self):
-        planned = self._private.data_loader.batch_sampler  # StepBatches of the whole plan
-        start = self._private.steps_taken
-        num_bins = self._private.plan.num_bins
-        return planned, start, min(planned.n_steps, (start // num_bins + 1) * num_bins)
-
-    def __iter__(self):
-        planned, start, end = self._steps()
-        if start >= planned.n_steps:
-            raise PlanExhaustedError(
-                f"the plan's {planned.n_steps} steps are all taken; a pass over the data loader past the "
-                f"planned epochs would need steps the accountant did not price: plan more epochs"
-            )
-        return iter(planned.sampler.batch_sampler(end, start, planned.part))
-
-    def __len__(self) -> int:
-        planned, start, end = self._steps()
-        return max(0, end - start)
 
 
 def _refuse_other_options(options: dict, max_grad_norm) -> None:
@@ -218,6 +181,3 @@ def _from_loader(data_loader) -> tuple:
         options["collate_fn"] = data_loader.collate_fn  # the default gives way to one allowing empty batches
     return dataset, data_loader.batch_size, options
 
-
-def _reloaded(loader_options: dict) -> dict:
-    return {name: value for name, value in loader_options.items() if name != "collate_fn"}

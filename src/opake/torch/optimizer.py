@@ -21,19 +21,24 @@ all-reduced, and the sharded noise engine adds the noise once (bit-identical on 
 The wrapper shares ``param_groups``, ``state`` and ``defaults`` with the wrapped optimizer, so
 learning-rate schedulers built on either object drive the same learning rates, and the
 optimizer's ``state_dict`` is the wrapped one's.
+
+Only the plan's batches are released, each once and in order (``opake.torch.loader``): before
+anything is released, ``step()`` checks that the planned loader served this step's batch last
+and that the examples clipped since ``zero_grad()`` are exactly that batch's; otherwise it
+raises ``UnplannedBatchError`` and changes nothing. A planned batch can be empty (balls in bins
+draws bin sizes); its step may be taken without a backward pass and releases noise only.
 """
 
 from __future__ import annotations
 
 import torch
 
+from opake.torch.loader import PlanExhaustedError, PlannedBatches
+from opake.torch.per_example.bookkeeping import sum_dtype
+from opake.torch.per_example.errors import ClipperUsageError
 from opake.types import clipped
 
 __all__ = ["DPOptimizer", "PlanExhaustedError"]
-
-
-class PlanExhaustedError(RuntimeError):
-    """``step()`` was called after every step the privacy plan priced."""
 
 
 class DPOptimizer(torch.optim.Optimizer):
@@ -41,11 +46,14 @@ class DPOptimizer(torch.optim.Optimizer):
 
     Built by ``make_private``; ``noise_fn`` / ``noise_state`` are the noise engine's pair,
     ``clipper`` the per-example clipper of the module, ``parameters`` the trainable parameters
-    by name (the engine's template), ``normalization`` the constant divisor of the clipped sum.
+    by name (the engine's template), ``normalization`` the constant divisor of the clipped sum,
+    ``batches`` the plan's batches (``step()`` releases only those), ``noise_multiplier`` the
+    plan's sigma (read by Opacus-style scripts as ``optimizer.noise_multiplier``).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, clipper, noise_fn, noise_state, parameters: dict,
-                 max_grad_norm: float, normalization: float, process_group=None, distributed: bool = False):
+                 max_grad_norm: float, normalization: float, batches: PlannedBatches, noise_multiplier: float,
+                 process_group=None, distributed: bool = False):
         # Not Optimizer.__init__: the wrapped optimizer owns the groups and the state.
         self.original_optimizer = optimizer
         self.clipper = clipper
@@ -54,6 +62,9 @@ class DPOptimizer(torch.optim.Optimizer):
         self.parameters = parameters
         self.max_grad_norm = float(max_grad_norm)
         self.normalization = float(normalization)
+        self.noise_multiplier = float(noise_multiplier)
+        self.batches = batches
+        batches.next_step = lambda: self.noise_state.step
         self.last_step_examples = 0
         self.distributed = distributed
         self.process_group = process_group
@@ -118,15 +129,29 @@ class DPOptimizer(torch.optim.Optimizer):
                 "DPOptimizer.step does not take a closure: a closure re-evaluates the loss, which "
                 "would release gradients without noise; call loss.backward() before step()"
             )
-        if self.noise_state.step >= self.noise_state.n_steps:
+        step = self.noise_state.step
+        if step >= self.noise_state.n_steps:
             raise PlanExhaustedError(
-                f"the privacy plan priced {self.noise_state.n_steps} steps and all of them were taken; "
-                f"a further step would release gradients the reported epsilon does not cover. Plan "
-                f"more steps (make_private(..., epochs=...)) for a longer run"
+                f"optimizer.step() was called after all {self.noise_state.n_steps} planned steps were taken "
+                f"(one per batch of the plan); a further step would release gradients the reported epsilon "
+                f"does not cover. Take one step per batch of private.data_loader, and plan the epochs the "
+                f"loop runs (make_private(..., epochs=...))"
             )
-        sums = self.clipper.clipped_sum()
-        self.last_step_examples = self.clipper.examples
-        if not self._coverage_checked:
+        try:
+            sums = self.clipper.clipped_sum()
+            examples = self.clipper.examples
+        except ClipperUsageError:
+            if self.batches.indices(step):
+                raise ClipperUsageError(
+                    f"optimizer.step() was called without a backward pass since zero_grad(), but planned batch "
+                    f"{step} has examples; run loss.backward() on that batch first"
+                ) from None
+            sums, examples = None, 0  # an empty planned batch: its release is noise only
+        self.batches.check_step(step, examples)
+        if sums is None:
+            sums = {name: torch.zeros_like(p, dtype=sum_dtype(p.dtype)) for name, p in self.parameters.items()}
+        self.last_step_examples = examples
+        if not self._coverage_checked and examples:
             self.clipper.check_coverage()
             if self.last_step_examples:
                 self._coverage_checked = True

@@ -67,6 +67,7 @@ import copy
 import numbers
 import secrets
 import warnings
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -83,8 +84,11 @@ from opake.dpftrl.strategies.strategy import IdentityStrategy
 from opake.dpftrl.participation import Participation
 from opake.dpftrl.sampling import BallsInBinsSampler, CyclicPoissonSampler
 from opake.random import RngKey, key as make_key
+from opake.torch.loader import PlannedBatches, PlannedDataLoader
+from opake.torch.losses import PerExampleLoss
 from opake.torch.optimizer import DPOptimizer
 from opake.torch.per_example import PerExampleClipper
+from opake.dpftrl.sampling import collate_allowing_empty
 from opake.torch.validation import require_valid_model, trainable_parameters
 
 __all__ = ["PrivacyPlan", "PrivateTraining", "make_private", "strategy_for_optimizer"]
@@ -111,7 +115,9 @@ class PrivacyPlan:
     ``sample_rate``; ``num_bins`` is None). ``accounting`` names the bound ``accountant``
     computes: ``"amplified"`` (balls in bins, amplified), ``"rigorous"`` (balls in bins,
     unamplified) or ``"pld"`` (cyclic Poisson, Band23 Thm 4); ``accountant.description`` says
-    it in words.
+    it in words. ``loss`` says which loss form the clipping assumes (``opake.torch.losses``),
+    ``privacy_unit`` what one protected unit is, ``steps_per_epoch`` how many steps an epoch
+    (one pass of ``data_loader``) takes.
     """
 
     participation: Participation
@@ -127,6 +133,13 @@ class PrivacyPlan:
     accounting: str
     num_groups: int | None
     sample_rate: float | None
+    steps_per_epoch: int = 0
+    loss: str = ""
+    privacy_unit: str = "example"
+
+    @property
+    def epochs(self) -> int:
+        return -(-self.participation.n_steps // self.steps_per_epoch)
 
 
 class PrivateTraining:
@@ -134,19 +147,32 @@ class PrivateTraining:
 
     ``module`` is the caller's module itself (its ``state_dict`` loads into an unwrapped copy);
     ``optimizer`` is a ``DPOptimizer`` around the caller's optimizer; ``data_loader`` serves the
-    planned batches (from the next untaken step after ``load_state_dict``).
+    planned batches, one epoch per pass, from the next untaken step (``for epoch in range(E):
+    for batch in private.data_loader``); ``run_data_loader()`` serves the whole rest of the run
+    in one pass. ``detach()`` removes the hooks from the module.
     """
 
-    def __init__(self, module, optimizer: DPOptimizer, dataset, sampler: BallsInBinsSampler | CyclicPoissonSampler,
-                 plan: PrivacyPlan, root_key: RngKey, loader_options: dict):
+    def __init__(self, module, optimizer: DPOptimizer, dataset, plan: PrivacyPlan, root_key: RngKey,
+                 loader_options: dict, loss_hooks: PerExampleLoss):
         self.module = module
         self.optimizer = optimizer
         self.plan = plan
         self._dataset = dataset
-        self._sampler = sampler
         self._root_key = root_key
         self._loader_options = loader_options
-        self.data_loader = sampler.data_loader(dataset, plan.participation.n_steps, **loader_options)
+        self._loss_hooks = loss_hooks
+        self.data_loader = PlannedDataLoader(dataset, optimizer.batches, **loader_options)
+
+    def run_data_loader(self) -> PlannedDataLoader:
+        """A loader whose one pass serves every remaining planned step (all epochs)."""
+        return PlannedDataLoader(self._dataset, self.optimizer.batches, whole_run=True, **self._loader_options)
+
+    def detach(self) -> None:
+        """Remove the per-example hooks (clipping, loss) from the module; the run cannot step after."""
+        self.optimizer.clipper.remove()
+        self._loss_hooks.remove()
+        if getattr(self.module, _MARK, None) is not None and getattr(self.module, _MARK)() is self:
+            delattr(self.module, _MARK)
 
     @property
     def epsilon(self) -> float:
@@ -205,8 +231,7 @@ class PrivateTraining:
         self.module.load_state_dict(state_dict["module"])
         self.optimizer.load_state_dict(state_dict["optimizer"])
         self.optimizer.noise_state = noise_state
-        self.data_loader = self._sampler.data_loader(self._dataset, self.plan.participation.n_steps,
-                                                     start_step=noise_state.step, **self._loader_options)
+        self.optimizer.batches.served = None  # the data loader continues at the restored step
 
 
 def make_private(
@@ -261,6 +286,7 @@ def make_private(
             "per-example gradients across ranks itself (DDP would average unclipped gradients)"
         )
     rank, world_size = _rank_and_world(process_group)
+    _refuse_second_plan(module)
     if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(optimizer, DPOptimizer):
         raise TypeError(f"optimizer must be a plain torch.optim.Optimizer over the module's parameters, "
                         f"got {type(optimizer).__name__}")
@@ -300,10 +326,6 @@ def make_private(
                 getattr(sampler, "sample_rate", None), participation.n_steps)
     sigma, epsilon, delta, accountant = _plan_noise(accountant_of_sigma, accounting, participation, target_epsilon,
                                                     target_delta, noise_multiplier, plan_key)
-    plan = PrivacyPlan(participation, None if poisson else sampler.num_bins, sampler.expected_batch_size, strategy,
-                       sigma, epsilon, delta, max_grad_norm, accountant, sampling=sampling, accounting=accounting,
-                       num_groups=sampler.num_groups if poisson else None,
-                       sample_rate=sampler.sample_rate if poisson else None)
     engine_arguments = dict(
         n_steps=participation.n_steps, min_sep=participation.min_sep,
         max_participations=participation.max_participations, noise_multiplier=sigma,
@@ -316,14 +338,23 @@ def make_private(
     else:
         noise_fn, noise_state = mf_gaussian_noise(template, strategy, **engine_arguments)
     noise_fn.check_accounted_by(accountant)
+    loader_options = _planned_loader_options(dataset, sampler, loader_options)
+    # Everything above only reads the caller's objects; from here on the module gets hooks.
     clipper = PerExampleClipper(module, max_grad_norm=max_grad_norm, loss_reduction=loss_reduction)
+    loss_hooks = PerExampleLoss(module, loss_reduction)
+    plan = PrivacyPlan(participation, None if poisson else sampler.num_bins, sampler.expected_batch_size, strategy,
+                       sigma, epsilon, delta, max_grad_norm, accountant, sampling=sampling, accounting=accounting,
+                       num_groups=sampler.num_groups if poisson else None,
+                       sample_rate=sampler.sample_rate if poisson else None, steps_per_epoch=steps_per_epoch,
+                       loss=loss_hooks.description or _USER_LOSS[loss_reduction])
+    batches = PlannedBatches(sampler, participation.n_steps, steps_per_epoch, part=(rank, world_size))
     private_optimizer = DPOptimizer(optimizer, clipper=clipper, noise_fn=noise_fn, noise_state=noise_state,
                                     parameters=parameters, max_grad_norm=max_grad_norm,
-                                    normalization=sampler.expected_batch_size, process_group=process_group,
-                                    distributed=world_size > 1)
-    if world_size > 1:
-        loader_options = {**loader_options, "part": (rank, world_size)}
-    return PrivateTraining(module, private_optimizer, dataset, sampler, plan, root_key, loader_options)
+                                    normalization=sampler.expected_batch_size, batches=batches,
+                                    noise_multiplier=sigma, process_group=process_group, distributed=world_size > 1)
+    private = PrivateTraining(module, private_optimizer, dataset, plan, root_key, loader_options, loss_hooks)
+    setattr(module, _MARK, weakref.ref(private))
+    return private
 
 
 def strategy_for_optimizer(optimizer: torch.optim.Optimizer, n_steps: int, lr_scheduler=None):
@@ -532,6 +563,37 @@ def _check_optimizer_covers(optimizer, module, parameters: dict) -> None:
             f"the module's trainable parameters {missing[:5]} are not in the optimizer; add them, or "
             f"freeze them (requires_grad_(False)) so that they get no noise"
         )
+
+
+_MARK = "_opake_private_training"
+_USER_LOSS = {"mean": "the caller's loss: a mean over the batch's examples of per-example terms (loss_reduction='mean')",
+              "sum": "the caller's loss: a sum over the batch's examples of per-example terms (loss_reduction='sum')"}
+
+
+def _refuse_second_plan(module) -> None:
+    """A module already made private carries the first run's hooks: a second set would clip twice."""
+    first = getattr(module, _MARK, None)
+    if first is not None and first() is not None:
+        raise ValueError(
+            "make_private was already called on this module, whose hooks clip for that first run; use the "
+            "first call's result, or call its detach() (private.detach()) before planning a new run"
+        )
+
+
+def _planned_loader_options(dataset, sampler, loader_options: dict) -> dict:
+    """The DataLoader options of the planned loaders: the caller's, less what would replace the batches."""
+    if len(dataset) != sampler.num_examples:
+        raise ValueError(f"the dataset has {len(dataset)} examples but the plan has {sampler.num_examples}")
+    conflicting = sorted({"batch_size", "shuffle", "sampler", "batch_sampler", "drop_last"} & set(loader_options))
+    if conflicting:
+        raise TypeError(
+            f"make_private does not take {conflicting}: the batches come from the plan's sampler, whose "
+            f"participation the accountant priced (batch_size= sets their expected size)"
+        )
+    options = dict(loader_options)
+    if options.get("collate_fn") is None:
+        options["collate_fn"] = collate_allowing_empty(dataset[0])
+    return options
 
 
 def _positive_int(name: str, value) -> int:
