@@ -142,10 +142,8 @@ def test_epsilon_and_batches_are_make_privates_for_the_same_arguments_and_key():
     direct_arguments, _ = _plain_arguments()
     direct = make_private(**direct_arguments, dataset=dataset, batch_size=32, epochs=EPOCHS,
                           target_epsilon=EPSILON, target_delta=DELTA, max_grad_norm=MAX_GRAD_NORM, key=key(7))
-    assert engine.get_epsilon(DELTA) == direct.epsilon
+    assert engine.private.epsilon == direct.epsilon and engine.get_epsilon(DELTA) == 0.0   # nothing spent yet
     assert engine.private.plan.noise_multiplier == direct.plan.noise_multiplier
-    assert engine.get_epsilon(1e-7) == pytest.approx(direct.plan.accountant.epsilon_at(1e-7))
-    assert engine.get_epsilon(1e-7) > engine.get_epsilon(DELTA)
 
     served = []
     for _ in range(EPOCHS):        # the epoch passes serve the plan's batches in order
@@ -157,6 +155,9 @@ def test_epsilon_and_batches_are_make_privates_for_the_same_arguments_and_key():
     planned = [x for x, _y in direct.run_data_loader()]
     assert len(served) == len(planned) == EPOCHS * 8
     assert all(torch.equal(a, b) for a, b in zip(served, planned))
+    assert engine.get_epsilon(DELTA) == direct.epsilon          # all planned steps taken: the whole run's
+    assert engine.get_epsilon(1e-7) == pytest.approx(direct.plan.accountant.epsilon_at(1e-7))
+    assert engine.get_epsilon(1e-7) > engine.get_epsilon(DELTA)
 
 
 def test_noise_multiplier_form_needs_epochs_and_reports_any_delta():
@@ -170,7 +171,7 @@ def test_noise_multiplier_form_needs_epochs_and_reports_any_delta():
     direct_arguments, _ = _plain_arguments()
     direct = make_private(**direct_arguments, dataset=dataset, batch_size=32, epochs=2, noise_multiplier=1.0,
                           target_delta=DELTA, max_grad_norm=1.0, key=key(0))
-    assert engine.get_epsilon(DELTA) == pytest.approx(direct.epsilon, rel=1e-12)
+    assert engine.private.epsilon == pytest.approx(direct.epsilon, rel=1e-12)
     assert engine.private.delta == min(1e-5, 1 / 256)
     assert engine.private.plan.participation.n_steps == 16
 
@@ -264,7 +265,7 @@ def test_other_refusals():
     arguments, dataset = _plain_arguments()
     engine.make_private_with_epsilon(**arguments, data_loader=torch.utils.data.DataLoader(dataset, batch_size=32),
                                      epochs=1, target_epsilon=EPSILON, target_delta=DELTA, max_grad_norm=1.0)
-    with pytest.raises(ValueError, match=r"delta must be in \(0, 1\)"):
+    with pytest.raises(ValueError, match=r"delta must be in the open interval \(0, 1\)"):
         engine.get_epsilon(0.0)
     _refused(r"planned a run already.*new PrivacyEngine", engine=engine)
     assert issubclass(PlanExhaustedError, RuntimeError)
@@ -306,8 +307,9 @@ def _run_block(block):
 def test_the_documented_opake_script_runs(capsys):
     namespace = _run_block(_doc_blocks()[1])
     printed = capsys.readouterr().out.splitlines()
-    assert len(printed) == EPOCHS                                 # the whole run's epsilon, each epoch
-    assert {line.split(": ")[1] for line in printed} == {"epsilon 8.00"}
+    assert len(printed) == EPOCHS                                 # the epsilon spent so far, each epoch
+    spent = [float(line.split("epsilon ")[1]) for line in printed]
+    assert spent == sorted(spent) and spent[0] < spent[-1] and f"{spent[-1]:.2f}" == "8.00"
     assert namespace["privacy_engine"].private.steps_taken == EPOCHS * 8
 
 

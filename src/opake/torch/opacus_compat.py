@@ -100,21 +100,15 @@ class PrivacyEngine:
                           extra=kwargs)
 
     def get_epsilon(self, delta: float) -> float:
-        """The epsilon of the whole planned run at ``delta`` (add/remove adjacency).
+        """The epsilon spent so far, by the steps taken, at ``delta`` (as Opacus reports it).
 
-        Unlike Opacus, this is not the budget spent by the steps taken so far: it is the
-        guarantee of all the planned steps, known before the first one. At the planned delta it
-        is ``self.private.epsilon``; another delta is recomputed from the run's accountant
-        (``self.private.plan.accountant.epsilon_at(delta)``).
+        ``self.private.epsilon_spent(delta)``: 0 before the first step, the whole planned run's
+        epsilon (``self.private.epsilon`` at the planned delta) once every planned step is
+        taken, never above it in between.
         """
         if self.private is None:
             raise ValueError("no run is planned yet: call make_private or make_private_with_epsilon first")
-        plan = self.private.plan
-        if delta == plan.delta:
-            return plan.epsilon
-        if not 0.0 < delta < 1.0:
-            raise ValueError(f"delta must be in (0, 1), got {delta!r}")
-        return float(plan.accountant.epsilon_at(delta))
+        return self.private.epsilon_spent(delta)
 
     def _plan(self, *, module, optimizer, data_loader, epochs, max_grad_norm, options, extra, target_delta,
               **make_private_arguments):
