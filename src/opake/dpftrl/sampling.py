@@ -61,7 +61,8 @@ import torch.utils.data
 from opake.dpftrl.participation import Participation
 from opake.random import RngKey
 
-__all__ = ["BallsInBinsSampler", "CyclicPoissonSampler", "StepBatches", "collate_allowing_empty"]
+__all__ = ["BallsInBinsSampler", "CyclicPoissonSampler", "PrivacyUnits", "StepBatches", "UnitSampler",
+           "collate_allowing_empty"]
 
 _DOMAIN = "opake.dpftrl.sampling"
 _WORDS_PER_CHUNK = 1 << 16  # 512 KiB of hash output per derivation
@@ -446,3 +447,121 @@ class CyclicPoissonSampler(_CyclicSampler):
         members = self._members(step)
         parts = ("cyclic_poisson.step", self.num_groups, step)
         return _as_index_tensor(members[_bernoulli(self.key, parts, members.size, self.sample_rate)])
+
+
+# ---------------------------------------------------------------------------------------------
+# Privacy units other than examples (user-level privacy)
+
+
+@dataclass(frozen=True)
+class PrivacyUnits:
+    """Which protected unit (user, document, session) each example belongs to.
+
+    ``unit_of_example[i]`` is the unit number of example i; units are numbered ``0 .. num_units
+    - 1`` in order of first appearance (``from_ids``), so appending a new unit's examples at the
+    end of the data set leaves every other unit's number, and hence its bins and draws, unchanged.
+    ``examples(u)`` are unit u's example indices, ascending.
+    """
+
+    unit_of_example: np.ndarray
+    _order: np.ndarray = field(init=False, repr=False, compare=False)
+    _offsets: np.ndarray = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        units = np.asarray(self.unit_of_example)
+        if units.ndim != 1 or units.size == 0 or not np.issubdtype(units.dtype, np.integer) or units.min() < 0:
+            raise ValueError("unit_of_example must be a non-empty 1-D array of non-negative unit numbers")
+        order, offsets = _grouped(units.astype(np.int64), int(units.max()) + 1)
+        if np.any(offsets[1:] == offsets[:-1]):
+            raise ValueError("unit numbers must be 0 .. num_units - 1 with no gap (use PrivacyUnits.from_ids)")
+        for name, value in (("unit_of_example", _frozen(units.astype(np.int64))), ("_order", order),
+                            ("_offsets", offsets)):
+            object.__setattr__(self, name, value)
+
+    @classmethod
+    def from_ids(cls, ids) -> "PrivacyUnits":
+        """Units from one id per example (any hashable values: user names, numbers), numbered by
+        first appearance."""
+        numbers_by_id: dict = {}
+        try:
+            units = [numbers_by_id.setdefault(value, len(numbers_by_id)) for value in ids]
+        except TypeError:
+            raise TypeError("privacy unit ids must be hashable (one user id per example)") from None
+        return cls(np.asarray(units, dtype=np.int64))
+
+    @property
+    def num_examples(self) -> int:
+        return int(self.unit_of_example.size)
+
+    @property
+    def num_units(self) -> int:
+        return int(self._offsets.size - 1)
+
+    def examples(self, unit: int) -> np.ndarray:
+        return self._order[self._offsets[unit]:self._offsets[unit + 1]]
+
+
+class UnitSampler(_CyclicSampler):
+    """A sampler over protected units that serves all the examples of the units it draws.
+
+    ``unit_sampler`` (a ``BallsInBinsSampler`` or ``CyclicPoissonSampler`` built with
+    ``num_examples = units.num_units``) decides which units form each step's batch, exactly as it
+    would for examples; ``batch(step)`` is the concatenation of those units' examples (unit by
+    unit, ascending), ``units_of_batch(step)`` the unit of each row.
+
+    Guarantee: the unit sampler's, for units: ``participation(n_steps)`` holds for every unit
+    (all its examples appear together, at the unit's steps only). Adjacency: add/remove one
+    unit with all its examples; every unit's draws depend on the key and its own number only,
+    so one more unit moves no other. The clipped quantity must be each unit's summed gradient
+    (``opake.torch.make_private(..., privacy_unit=...)`` does that) and ``expected_batch_size``
+    counts units.
+    """
+
+    def __init__(self, unit_sampler, units: PrivacyUnits):
+        if not isinstance(unit_sampler, (BallsInBinsSampler, CyclicPoissonSampler)):
+            raise TypeError(f"unit_sampler must be a BallsInBinsSampler or CyclicPoissonSampler, "
+                            f"got {type(unit_sampler).__name__}")
+        if unit_sampler.num_examples != units.num_units:
+            raise ValueError(f"the unit sampler was built for {unit_sampler.num_examples} units, the data have "
+                             f"{units.num_units}; build it with num_examples=units.num_units")
+        self.unit_sampler = unit_sampler
+        self.units = units
+
+    @property
+    def num_examples(self) -> int:
+        return self.units.num_examples
+
+    @property
+    def num_units(self) -> int:
+        return self.units.num_units
+
+    @property
+    def expected_batch_size(self) -> float:
+        """Expected units per batch: the constant normalization of the sum of clipped unit gradients."""
+        return self.unit_sampler.expected_batch_size
+
+    def __getattr__(self, name):  # num_bins, num_groups, sample_rate, key: the unit sampler's
+        if name in ("num_bins", "num_groups", "sample_rate", "key"):
+            return getattr(self.unit_sampler, name)
+        raise AttributeError(name)
+
+    def _period(self) -> int:
+        return self.unit_sampler._period()
+
+    def _min_sep(self) -> int:
+        return self.unit_sampler._min_sep()
+
+    def _rows(self, step: int) -> tuple[np.ndarray, np.ndarray]:
+        drawn = self.unit_sampler.batch(step).numpy()
+        pieces = [self.units.examples(int(unit)) for unit in drawn]
+        rows = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
+        owners = np.repeat(drawn, [piece.size for piece in pieces]) if pieces else np.zeros(0, dtype=np.int64)
+        return rows, owners
+
+    def batch(self, step: int) -> torch.Tensor:
+        """Indices of every example of the units drawn at ``step``, unit by unit."""
+        return _as_index_tensor(self._rows(self._step(step))[0])
+
+    def units_of_batch(self, step: int) -> torch.Tensor:
+        """The unit number of each row of ``batch(step)``."""
+        return _as_index_tensor(self._rows(self._step(step))[1])
