@@ -1,0 +1,403 @@
+"""What ``DPTrainer`` does with every ``transformers.TrainingArguments`` field: one table.
+
+Each row names a field (or a derived property of the arguments, or an argument of the
+``Trainer`` constructor), what ``DPTrainer`` does with it, which values it accepts, and why:
+
+* ``pass``: Trainer uses it as usual; it does not touch what the privacy guarantee depends on.
+* ``map``: opake reads it into the privacy plan or the planned loader (and may restrict it).
+* ``ignore``: it has no effect under ``DPTrainer`` (the reason says why that is harmless).
+* ``refuse``: only the listed values are accepted; any other is refused with the reason.
+
+``check_arguments`` generates every refusal from this table (all offending fields in one
+error), and refuses a field the table does not know (a newer transformers) unless it has its
+default value. ``arguments_table()`` renders the table for docs/transformers.md; a test keeps
+the two identical.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from collections.abc import Callable
+from dataclasses import dataclass
+
+__all__ = ["ARGUMENT_RULES", "ArgumentRule", "UnsupportedTrainingArgumentError", "arguments_table",
+           "check_arguments"]
+
+TREATMENTS = ("pass", "map", "ignore", "refuse")
+FIELD, PROPERTY, CONSTRUCTOR = "TrainingArguments", "TrainingArguments property", "DPTrainer argument"
+
+
+class UnsupportedTrainingArgumentError(ValueError):
+    """A TrainingArguments field (or Trainer argument) whose value DPTrainer cannot honour privately."""
+
+
+def _anything(value) -> bool:
+    return True
+
+
+def _plain(value):
+    """An enum member's value (TrainingArguments turns strings into ExplicitEnum members)."""
+    return getattr(value, "value", value)
+
+
+def _whole_positive(value) -> bool:
+    return (isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+            and value >= 1 and float(value).is_integer())
+
+
+def _positive_finite(value) -> bool:
+    return (isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+            and value > 0)
+
+
+def _map_style(value) -> bool:
+    import torch
+
+    return (value is not None and not isinstance(value, torch.utils.data.IterableDataset)
+            and hasattr(value, "__len__") and hasattr(value, "__getitem__"))
+
+
+# Optimizers whose update does not wait for the noised gradient in optimizer.step(), or that need
+# calls DPOptimizer does not forward.
+_REFUSED_OPTIMIZERS = frozenset({
+    "lomo", "adalomo", "galore_adamw_layerwise", "galore_adamw_8bit_layerwise", "galore_adafactor_layerwise",
+    "apollo_adamw_layerwise", "schedule_free_radam", "schedule_free_adamw", "schedule_free_sgd",
+})
+
+
+@dataclass(frozen=True)
+class ArgumentRule:
+    """One row: ``name`` (a field, property or constructor argument, as ``where`` says), the
+    ``treatment`` (one of TREATMENTS), the ``reason``, and for restricted rows the predicate
+    ``accepts`` with its description ``accepted``."""
+
+    name: str
+    treatment: str
+    reason: str
+    accepts: Callable[[object], bool] = _anything
+    accepted: str = "any"
+    where: str = FIELD
+
+    def __post_init__(self):
+        if self.treatment not in TREATMENTS:
+            raise ValueError(f"treatment must be one of {TREATMENTS}, got {self.treatment!r}")
+        if (self.accepts is _anything) != (self.accepted == "any"):
+            raise ValueError(f"rule {self.name!r}: give both accepts and accepted, or neither")
+        if self.treatment == "refuse" and self.accepts is _anything:
+            raise ValueError(f"rule {self.name!r}: a refusing rule must say which values it accepts")
+
+
+def _rule(name, treatment, reason, accepts=_anything, accepted="any", where=FIELD):
+    return ArgumentRule(name, treatment, reason, accepts, accepted, where)
+
+
+_LOGS = ("logs are computed from the training data without noise (loss, token counts): treat them, and "
+         "every tracker they go to, as private (docs/transformers.md)")
+_EVAL = "evaluation runs without gradients, so the per-example hooks record nothing; it never steps the plan"
+_SCRIPT = "read by training scripts, not by Trainer"
+_DISTRIBUTED = "used only under torch.distributed, which DPTrainer refuses (world_size)"
+
+ARGUMENT_RULES: tuple[ArgumentRule, ...] = (
+    # -- the privacy plan ------------------------------------------------------------------------
+    _rule("per_device_train_batch_size", "map",
+          "the plan's expected batch size is per_device_train_batch_size x gradient_accumulation_steps "
+          "(make_private(batch_size=)); each planned batch, whose size varies, is trained in micro-batches "
+          "of at most per_device_train_batch_size examples"),
+    _rule("gradient_accumulation_steps", "map",
+          "micro-batches of ONE planned batch before its one optimizer step (Trainer itself runs with 1): "
+          "accumulating several planned batches would release them as one step the accountant did not price",
+          lambda v: isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= 1, "an integer >= 1"),
+    _rule("num_train_epochs", "map",
+          "make_private(epochs=): the plan has epochs x (len(train_dataset) // batch size) steps, and the "
+          "accountant prices each example's participation in every epoch", _whole_positive, "a whole number >= 1"),
+    _rule("max_steps", "refuse",
+          "a private run is planned in whole epochs (the accountant prices every example's participation in "
+          "each); set num_train_epochs", lambda v: v <= 0, "<= 0 (the default -1)"),
+    _rule("max_grad_norm", "map",
+          "the per-example clipping norm C (make_private(max_grad_norm=)); Trainer's own clipping of the "
+          "summed .grad is turned off (it would clip the sum, not each example)", _positive_finite, "> 0"),
+    _rule("train_sampling_strategy", "refuse",
+          "the plan's sampler draws the batches (balls in bins or cyclic Poisson); a length-grouped or "
+          "sequential order would replace the batches the accountant priced", lambda v: _plain(v) == "random",
+          "'random' (replaced by the plan's sampler)"),
+    _rule("length_column_name", "ignore", "used only by train_sampling_strategy='group_by_length', refused"),
+    _rule("dataloader_drop_last", "refuse",
+          "every planned batch is one priced step, even a small or empty one; dropping one changes the plan",
+          lambda v: not v, "False"),
+    _rule("data_seed", "refuse",
+          "the batches are drawn by the privacy plan from key=; pass DPTrainer(key=opake.random.key(seed))",
+          lambda v: v is None, "None"),
+    _rule("auto_find_batch_size", "refuse",
+          "halves the batch size after an out-of-memory error and restarts, after noise was already released "
+          "for the planned size; lower per_device_train_batch_size (micro-batches) instead", lambda v: not v,
+          "False"),
+    _rule("ignore_data_skip", "ignore",
+          "the planned loader itself continues at the next untaken step after a resume (DPTrainer runs Trainer "
+          "with ignore_data_skip=True so that Trainer skips nothing)"),
+    _rule("dataloader_num_workers", "map", "an option of the planned loader (a torch DataLoader)"),
+    _rule("dataloader_pin_memory", "map", "an option of the planned loader"),
+    _rule("dataloader_persistent_workers", "map", "an option of the planned loader"),
+    _rule("dataloader_prefetch_factor", "map", "an option of the planned loader"),
+    _rule("dataloader_multiprocessing_context", "map", "an option of the planned loader"),
+    _rule("dataloader_in_order", "map", "an option of the planned loader"),
+    _rule("remove_unused_columns", "map",
+          "applied to the planned loader's collator (or dataset) as Trainer applies it to its own"),
+    # -- the loss --------------------------------------------------------------------------------
+    _rule("label_smoothing_factor", "refuse",
+          "Trainer's LabelSmoother divides the summed loss by the number of valid tokens of the whole batch: "
+          "one example's tokens would rescale every other example's gradient", lambda v: v == 0, "0"),
+    _rule("average_tokens_across_devices", "ignore",
+          "DPTrainer never passes num_items_in_batch (the loss is each example's own token mean, averaged "
+          "over examples), so there is no token count to average"),
+    _rule("neftune_noise_alpha", "refuse",
+          "NEFTune's embedding noise is scaled by the batch's padded length, so one example's length changes "
+          "the other examples' gradients", lambda v: v is None, "None"),
+    _rule("use_liger_kernel", "refuse",
+          "Liger replaces layers and the loss with fused kernels (its fused linear cross-entropy takes the "
+          "batch-wide token mean) that have no per-example rule", lambda v: not v, "False"),
+    _rule("liger_kernel_config", "ignore", "used only with use_liger_kernel, refused"),
+    # -- precision and compilation ---------------------------------------------------------------
+    _rule("bf16", "map",
+          "autocast to bfloat16 (through accelerate); the per-example norms and clipped sums stay in float32"),
+    _rule("fp16", "refuse",
+          "fp16 needs a GradScaler, which multiplies the loss by a dynamic scale (the hooks would clip scaled "
+          "gradients) and skips steps on overflow (a planned step not taken); use bf16=True",
+          lambda v: not v, "False"),
+    _rule("bf16_full_eval", "refuse",
+          "casts the model's parameters to half precision in place when evaluate() runs outside train(); the "
+          "noise state was built for their training dtype", lambda v: not v, "False"),
+    _rule("fp16_full_eval", "refuse", "as bf16_full_eval", lambda v: not v, "False"),
+    _rule("tf32", "pass", "a matmul precision setting; privacy does not depend on it"),
+    _rule("torch_compile", "refuse",
+          "not tested with the per-example hooks, which keep Python state between forward and backward; "
+          "refused until it is", lambda v: not v, "False"),
+    _rule("torch_compile_backend", "ignore", "used only with torch_compile (setting it turns that on: refused)"),
+    _rule("torch_compile_mode", "ignore", "used only with torch_compile (setting it turns that on: refused)"),
+    _rule("activation_checkpointing", "refuse",
+          "recomputes layers' forward passes during backward, which the per-example hooks would see as new "
+          "calls (not supported yet)", lambda v: not v, "None or False"),
+    _rule("activation_checkpointing_kwargs", "ignore", "used only with activation_checkpointing, refused"),
+    _rule("gradient_checkpointing", "refuse", "the old name of activation_checkpointing", lambda v: not v,
+          "None or False"),
+    _rule("gradient_checkpointing_kwargs", "ignore", "used only with gradient_checkpointing, refused"),
+    # -- optimizer and schedule ------------------------------------------------------------------
+    _rule("optim", "refuse",
+          "any optimizer Trainer builds is wrapped by DPOptimizer, except those that update parameters inside "
+          "backward, before the noised gradient exists (LOMO, AdaLomo, the layer-wise GaLore and APOLLO), and "
+          "the schedule-free ones (they need optimizer.train()/eval(), which DPOptimizer does not forward)",
+          lambda v: _plain(v) not in _REFUSED_OPTIMIZERS, "any other than " + ", ".join(sorted(_REFUSED_OPTIMIZERS))),
+    _rule("optim_args", "pass", "options of the optimizer DPOptimizer wraps"),
+    _rule("optim_target_modules", "pass", "options of the optimizer DPOptimizer wraps"),
+    _rule("learning_rate", "pass", "the optimizer's; it updates the parameters after the noise (post-processing)"),
+    _rule("lr_scheduler_type", "pass",
+          "Trainer's schedule; with optim='sgd' it also shapes the BLT strategy (strategy_for_optimizer)"),
+    _rule("lr_scheduler_kwargs", "pass", "as lr_scheduler_type"),
+    _rule("warmup_steps", "pass", "as lr_scheduler_type"),
+    _rule("weight_decay", "pass", "applied by the optimizer after the noise (post-processing)"),
+    _rule("adam_beta1", "pass", "the optimizer's"),
+    _rule("adam_beta2", "pass", "the optimizer's"),
+    _rule("adam_epsilon", "pass", "the optimizer's"),
+    # -- parallelism -----------------------------------------------------------------------------
+    _rule("deepspeed", "refuse",
+          "DeepSpeed shards and reduces gradients itself, outside the per-example hooks and the noise engine",
+          lambda v: v is None, "None"),
+    _rule("fsdp", "refuse",
+          "FSDP shards parameters and reduces unclipped gradients; use opake.torch.make_private under "
+          "torch.distributed (docs/distributed.md)", lambda v: not v, "None or empty"),
+    _rule("fsdp_config", "ignore", "used only with fsdp, refused"),
+    _rule("parallelism_config", "refuse",
+          "tensor, context and sequence parallelism split examples or layers across devices, outside the "
+          "per-example hooks", lambda v: v is None, "None"),
+    _rule("accelerator_config", "refuse",
+          "its gradient_accumulation_kwargs would change the accumulation behind the plan; its data-loader "
+          "settings do not apply (the planned loader is not prepared by accelerate)",
+          lambda v: getattr(v, "gradient_accumulation_kwargs", None) is None,
+          "gradient_accumulation_kwargs=None"),
+    _rule("ddp_find_unused_parameters", "ignore", _DISTRIBUTED),
+    _rule("ddp_bucket_cap_mb", "ignore", _DISTRIBUTED),
+    _rule("ddp_broadcast_buffers", "ignore", _DISTRIBUTED),
+    _rule("ddp_static_graph", "ignore", _DISTRIBUTED),
+    _rule("ddp_backend", "ignore", _DISTRIBUTED),
+    _rule("ddp_timeout", "ignore", _DISTRIBUTED),
+    _rule("local_rank", "ignore", _DISTRIBUTED),
+    _rule("n_gpu", "refuse",
+          "more than one visible GPU makes Trainer wrap the model in nn.DataParallel, whose per-GPU replicas "
+          "are not the hooked layers; make one GPU visible (CUDA_VISIBLE_DEVICES)", lambda v: v <= 1, "0 or 1",
+          PROPERTY),
+    _rule("world_size", "refuse",
+          "Trainer under torch.distributed wraps the model in DistributedDataParallel, which averages unclipped "
+          "gradients; run opake.torch.make_private in your own loop under torchrun (docs/distributed.md)",
+          lambda v: v == 1, "1", PROPERTY),
+    _rule("mixed_precision", "refuse",
+          "set from fp16/bf16 or the ACCELERATE_MIXED_PRECISION environment variable; fp16 is refused (see "
+          "fp16)", lambda v: _plain(v) in ("no", "bf16"), "'no' or 'bf16'", PROPERTY),
+    _rule("use_cpu", "pass", "device choice"),
+    _rule("torch_empty_cache_steps", "ignore", "DPTrainer's training_step (micro-batches) does not empty the "
+          "device cache; harmless to privacy"),
+    _rule("use_cache", "pass", "the model's key-value cache setting"),
+    _rule("debug", "pass", "debugging aids"),
+    _rule("skip_memory_metrics", "pass", "memory metrics"),
+    # -- logging ---------------------------------------------------------------------------------
+    _rule("logging_strategy", "pass", _LOGS),
+    _rule("logging_steps", "pass", _LOGS),
+    _rule("logging_first_step", "pass", _LOGS),
+    _rule("log_on_each_node", "pass", _LOGS),
+    _rule("logging_nan_inf_filter", "pass", _LOGS),
+    _rule("include_num_input_tokens_seen", "pass", _LOGS),
+    _rule("report_to", "pass", _LOGS),
+    _rule("run_name", "pass", _LOGS),
+    _rule("project", "pass", _LOGS),
+    _rule("trackio_space_id", "pass", _LOGS),
+    _rule("trackio_bucket_id", "pass", _LOGS),
+    _rule("trackio_static_space_id", "pass", _LOGS),
+    _rule("log_level", "pass", "verbosity"),
+    _rule("log_level_replica", "pass", "verbosity"),
+    _rule("disable_tqdm", "pass", "progress bars"),
+    # -- evaluation ------------------------------------------------------------------------------
+    _rule("eval_strategy", "pass", _EVAL),
+    _rule("eval_steps", "pass", _EVAL),
+    _rule("eval_delay", "pass", _EVAL),
+    _rule("per_device_eval_batch_size", "pass", _EVAL),
+    _rule("prediction_loss_only", "pass", _EVAL),
+    _rule("eval_on_start", "pass", _EVAL),
+    _rule("eval_do_concat_batches", "pass", _EVAL),
+    _rule("eval_use_gather_object", "pass", _EVAL),
+    _rule("eval_accumulation_steps", "pass", _EVAL),
+    _rule("include_for_metrics", "pass", _EVAL),
+    _rule("batch_eval_metrics", "pass", _EVAL),
+    _rule("label_names", "pass", "which inputs are labels (evaluation)"),
+    _rule("load_best_model_at_end", "pass",
+          "chooses among saved (noised) models by an evaluation metric: post-processing when eval_dataset "
+          "is not the private training data"),
+    _rule("metric_for_best_model", "pass", "as load_best_model_at_end"),
+    _rule("greater_is_better", "pass", "as load_best_model_at_end"),
+    # -- checkpoints and the hub -----------------------------------------------------------------
+    _rule("output_dir", "pass", "where checkpoints go; each holds the run's noise state (opake_private.pt)"),
+    _rule("save_strategy", "pass", "every checkpoint also saves the noise state"),
+    _rule("save_steps", "pass", "as save_strategy"),
+    _rule("save_total_limit", "pass", "as save_strategy"),
+    _rule("save_on_each_node", "pass", "as save_strategy"),
+    _rule("save_only_model", "pass",
+          "checkpoints then hold no optimizer or noise state and cannot be resumed (as in Trainer)"),
+    _rule("enable_jit_checkpoint", "pass", "the SIGTERM checkpoint is the same save, noise state included"),
+    _rule("restore_callback_states_from_checkpoint", "pass", "callback state"),
+    _rule("resume_from_checkpoint", "pass",
+          _SCRIPT + "; resume with trainer.train(resume_from_checkpoint=..., draws='replay' or fresh_key=k)"),
+    _rule("push_to_hub", "pass", "uploads the trained (noised) model; see hub_strategy"),
+    _rule("hub_strategy", "refuse",
+          "'checkpoint' and 'all_checkpoints' upload checkpoint folders, whose opake_private.pt holds the "
+          "noise key and state: with them anyone can subtract the noise from the released model",
+          lambda v: _plain(v) in ("every_save", "end"), "'every_save' or 'end'"),
+    _rule("hub_token", "pass", "hub access"),
+    _rule("hub_private_repo", "pass", "hub access"),
+    _rule("hub_model_id", "pass", "hub access"),
+    _rule("hub_always_push", "pass", "hub access"),
+    _rule("hub_revision", "pass", "hub access"),
+    # -- seeds and scripts -----------------------------------------------------------------------
+    _rule("seed", "pass",
+          "seeds torch (model initialization, dropout); the plan's batches and noise come from key= instead"),
+    _rule("full_determinism", "pass", "deterministic kernels"),
+    _rule("do_train", "pass", _SCRIPT),
+    _rule("do_eval", "pass", _SCRIPT),
+    _rule("do_predict", "pass", _SCRIPT),
+    # -- the Trainer constructor -----------------------------------------------------------------
+    _rule("train_dataset", "map",
+          "make_private(dataset=): indexed by the plan's sampler; its length is treated as public (it fixes "
+          "the bins)", _map_style, "a map-style dataset (len and indexing)", CONSTRUCTOR),
+    _rule("data_collator", "map",
+          "collates the planned batches; an empty planned batch is collated as one example's structure cut to "
+          "zero rows", where=CONSTRUCTOR),
+    _rule("model_init", "refuse",
+          "Trainer would build a new model in train() (and in hyperparameter search), one make_private never "
+          "hooked; pass model=", lambda v: v is None, "None", CONSTRUCTOR),
+    _rule("compute_loss_func", "refuse",
+          "it replaces the per-example loss opake installs, and its form cannot be checked (a mean over the "
+          "batch's tokens lets one example rescale the others' gradients); see docs/transformers.md for "
+          "per-example losses in a DPTrainer subclass", lambda v: v is None, "None", CONSTRUCTOR),
+    _rule("optimizers", "pass",
+          "an optimizer over the model's parameters (wrapped by DPOptimizer) and its scheduler, whose learning "
+          "rates also shape the strategy for torch SGD", where=CONSTRUCTOR),
+    _rule("optimizer_cls_and_kwargs", "pass", "the optimizer DPOptimizer wraps", where=CONSTRUCTOR),
+    _rule("eval_dataset", "pass", _EVAL, where=CONSTRUCTOR),
+    _rule("compute_metrics", "pass", _EVAL, where=CONSTRUCTOR),
+    _rule("preprocess_logits_for_metrics", "pass", _EVAL, where=CONSTRUCTOR),
+    _rule("callbacks", "pass", "called as in Trainer; they see logs (see logging)", where=CONSTRUCTOR),
+    _rule("processing_class", "pass", "the tokenizer, saved with the model", where=CONSTRUCTOR),
+)
+
+_BY_NAME = {rule.name: rule for rule in ARGUMENT_RULES}
+if len(_BY_NAME) != len(ARGUMENT_RULES):  # pragma: no cover - a table edit that repeats a row
+    raise RuntimeError("ARGUMENT_RULES names a field twice")
+
+
+def rule_for(name: str) -> ArgumentRule:
+    """The table's row for ``name``."""
+    return _BY_NAME[name]
+
+
+def _violations(values: dict, where: str) -> list[str]:
+    problems = []
+    for name, value in values.items():
+        rule = _BY_NAME.get(name)
+        if rule is None or rule.where != where:
+            continue
+        try:
+            accepted = bool(rule.accepts(value))
+        except TypeError:
+            accepted = False
+        if not accepted:
+            shown = f"{value!r}" if len(repr(value)) < 80 else type(value).__name__
+            problems.append(f"{rule.where} {name}={shown}: accepted {rule.accepted}, because {rule.reason}")
+    return problems
+
+
+def check_arguments(args, constructor: dict | None = None) -> None:
+    """Raise ``UnsupportedTrainingArgumentError`` naming every value DPTrainer cannot honour.
+
+    ``args`` is a ``TrainingArguments``; ``constructor`` the DPTrainer constructor's arguments by
+    name (those the table has rows for). A field the table does not know (from a transformers
+    newer than this table) is refused unless it has its default value.
+    """
+    fields = {field.name: field for field in dataclasses.fields(args)}
+    values = {name: getattr(args, name) for name in fields}
+    problems = _violations(values, FIELD)
+    properties = {rule.name: getattr(args, rule.name) for rule in ARGUMENT_RULES if rule.where == PROPERTY}
+    problems += _violations(properties, PROPERTY)
+    problems += _violations(constructor or {}, CONSTRUCTOR)
+    defaults = _default_arguments(type(args))
+    for name in fields:
+        if name not in _BY_NAME and fields[name].init and getattr(args, name) != getattr(defaults, name, None):
+            problems.append(
+                f"TrainingArguments {name}={getattr(args, name)!r}: opake does not know this field (a transformers "
+                f"newer than opake's table), so it accepts only its default {getattr(defaults, name, None)!r}"
+            )
+    if problems:
+        raise UnsupportedTrainingArgumentError(
+            "DPTrainer cannot honour these arguments privately:\n  - " + "\n  - ".join(problems)
+            + "\n(the full table: opake.transformers.arguments_table(), docs/transformers.md)"
+        )
+
+
+_DEFAULTS: dict = {}
+
+
+def _default_arguments(cls):
+    """A default instance of ``cls`` (post-processed as TrainingArguments does), built once."""
+    if cls not in _DEFAULTS:
+        _DEFAULTS[cls] = cls(output_dir="opake_default_arguments")
+    return _DEFAULTS[cls]
+
+
+def arguments_table() -> str:
+    """The table as Markdown (docs/transformers.md carries exactly this text)."""
+    lines = ["| argument | where | treatment | accepted | reason |", "|---|---|---|---|---|"]
+    for rule in ARGUMENT_RULES:
+        reason = rule.reason.replace("|", "\\|")
+        lines.append(f"| `{rule.name}` | {rule.where} | {rule.treatment} | {rule.accepted} | {reason} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":  # python -m opake.transformers.arguments > the table for the docs
+    print(arguments_table(), end="")

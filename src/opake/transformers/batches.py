@@ -1,0 +1,83 @@
+"""Planned batches in Trainer's shape: micro-batches of one planned batch, empty batches collated.
+
+A planned batch's size varies (balls in bins draws Binomial bin sizes; a bin can be empty), so
+``DPTrainer`` cuts each planned batch into micro-batches of at most
+``per_device_train_batch_size`` examples, the memory bound that setting means in Trainer, and
+runs forward and backward on each before the batch's one optimizer step. Per-example clipping
+makes this exact: every example is clipped on its own whichever micro-batch it is in, and with
+``loss_reduction="mean"`` the clipper undoes each micro-batch's own 1/size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import optree
+import torch
+
+__all__ = ["EmptyBatchCollator", "batch_size_of", "micro_batches"]
+
+
+def batch_size_of(batch) -> int:
+    """The number of examples in a collated batch: dimension 0 of its first tensor."""
+    leaves = batch.values() if isinstance(batch, Mapping) else optree.tree_leaves(batch, none_is_leaf=True)
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+            return int(leaf.shape[0])
+    raise TypeError("the collated batch holds no tensor with a batch dimension; DPTrainer needs one to count "
+                    "its examples")
+
+
+def micro_batches(batch, size: int, largest: int) -> list:
+    """``batch`` (``size`` examples) cut along dimension 0 into ceil(size / largest) balanced parts.
+
+    Every tensor whose dimension 0 is ``size`` is cut; a batch holding anything else with a
+    batch dimension (a list of strings, a tensor with another leading size) is refused, since
+    its rows could not be matched to the examples. An empty batch has no parts.
+    """
+    if size == 0:
+        return []
+    parts = -(-size // largest)
+    if parts == 1:
+        return [batch]
+    if not isinstance(batch, Mapping):
+        raise TypeError(f"DPTrainer cuts planned batches into micro-batches as dicts of tensors; got a "
+                        f"{type(batch).__name__}")
+    pieces = {}
+    for name, value in batch.items():
+        if not (isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == size):
+            raise TypeError(
+                f"cannot cut the batch's {name!r} into micro-batches: it is not a tensor with the batch's "
+                f"{size} examples on dimension 0. Collate every input as such a tensor, or set "
+                f"per_device_train_batch_size to at least the largest planned batch"
+            )
+        pieces[name] = torch.tensor_split(value, parts)
+    return [{name: chunks[i] for name, chunks in pieces.items()} for i in range(parts)]
+
+
+class EmptyBatchCollator:
+    """Trainer's collator, except that an empty planned batch becomes one example's collated
+    structure with every tensor cut to zero rows (Hugging Face's collators fail on an empty list).
+    Nothing of that example is trained on: an empty batch has no micro-batches."""
+
+    def __init__(self, collate, dataset):
+        self.collate = collate
+        self.dataset = dataset
+        self._empty = None
+
+    def __call__(self, features):
+        if len(features) > 0:
+            return self.collate(features)
+        if self._empty is None:
+            self._empty = _zero_rows(self.collate([self.dataset[0]]))
+        return self._empty
+
+
+def _zero_rows(template):
+    if isinstance(template, Mapping):  # a dict, or transformers' BatchEncoding
+        return {name: _zero_rows(value) for name, value in template.items()}
+    if isinstance(template, torch.Tensor) and template.dim() > 0:
+        return template[:0]
+    raise TypeError(f"an empty planned batch cannot be collated: the collator's output holds a "
+                    f"{type(template).__name__}, not a batched tensor; give DPTrainer a collator that returns "
+                    f"(dicts of) tensors, or one that handles an empty list itself")

@@ -1,0 +1,348 @@
+"""``DPTrainer``: ``transformers.Trainer`` training on a privacy plan's batches with correlated noise.
+
+    trainer = DPTrainer(model=model, args=TrainingArguments(...), train_dataset=train_ds,
+                        data_collator=collator, target_epsilon=3.0, target_delta=1e-5,
+                        key=opake.random.key(0))
+    trainer.train()
+    trainer.private.epsilon
+
+A subclass, not a wrapper: every Trainer feature that does not touch the guarantee (callbacks,
+evaluation, logging, checkpoints, the hub) keeps working, and only the pieces that do are
+replaced. ``__init__`` checks the arguments against one table (``opake.transformers.arguments``),
+builds Trainer's optimizer and calls ``opake.torch.make_private`` on the model, that optimizer
+and the training set, so the plan (and epsilon) exists before ``train()``. Then:
+
+* **Batches.** ``get_train_dataloader`` returns the plan's per-epoch loader (``private.data_loader``:
+  each pass serves the steps from the next untaken one to the end of its epoch); Trainer runs
+  with ``gradient_accumulation_steps=1`` over it, one optimizer step per planned batch.
+* **Micro-batches.** ``training_step`` cuts each planned batch into micro-batches of at most
+  ``per_device_train_batch_size`` examples (``batches.micro_batches``), forward and backward on
+  each; an empty planned batch has none, and its step releases noise only. The planned expected
+  batch size is ``per_device_train_batch_size x gradient_accumulation_steps``, so accumulation
+  keeps its Trainer meaning (more examples per step, the same memory).
+* **Loss.** ``compute_loss`` is Trainer's without ``num_items_in_batch``: the model's loss is the
+  per-example form ``make_private`` installs (``opake.torch.losses``).
+* **Clipping.** ``args.max_grad_norm`` is the per-example clipping norm; Trainer's own clipping of
+  the summed ``.grad`` and its ``grad_norm`` log (the norm of the unclipped, un-noised gradient,
+  a release the accountant never priced) are turned off.
+* **Logs.** Every log carries ``epsilon`` (spent by the steps taken so far,
+  ``private.epsilon_spent()``), ``epsilon_planned`` (the whole planned run's guarantee), ``delta``
+  and ``noise_multiplier``.
+* **Checkpoints.** Each checkpoint folder gets ``opake_private.pt`` (``private.state_dict()``:
+  model, optimizer, noise state, step, key); ``train(resume_from_checkpoint=..., draws="replay")``
+  or ``fresh_key=k`` resumes it, and refuses without that choice (SECURITY.md, "Replaying or
+  redrawing noise").
+
+Trainer runs on a copy of the given TrainingArguments with ``gradient_accumulation_steps=1``,
+``max_grad_norm=0`` and ``ignore_data_skip=True`` (the caller's object is not modified; it is
+``trainer.private_args``).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+
+import torch
+import transformers
+from torch import nn
+from transformers.trainer_callback import TrainerCallback
+from transformers.trainer_utils import get_last_checkpoint, seed_worker
+from transformers.utils import is_datasets_available
+
+from opake.torch import make_private, strategy_for_optimizer
+from opake.transformers.arguments import UnsupportedTrainingArgumentError, check_arguments
+from opake.transformers.batches import EmptyBatchCollator, batch_size_of, micro_batches
+
+__all__ = ["CHECKPOINT_NAME", "DPTrainer"]
+
+CHECKPOINT_NAME = "opake_private.pt"
+_TRAINER_STATE = "trainer_state.json"
+
+
+class _PlannedEpochs:
+    """What Trainer's loop reads of a train dataloader: ``len`` (steps per epoch, whatever the
+    epoch's progress) and ``iter`` (one pass of the planned loader: the rest of the epoch).
+
+    ``restore_rng`` (set on a resume inside an epoch) is called once, right after the first
+    pass has created its DataLoader iterator: that creation draws a seed from torch's global
+    generator, which an uninterrupted run drew at the start of the epoch, before the
+    checkpoint's RNG state was saved. Restoring after it keeps dropout's draws, and so the
+    resumed run, bit-identical.
+    """
+
+    def __init__(self, private, dataset):
+        self.private = private
+        self.dataset = dataset
+        self.restore_rng = None
+
+    def __len__(self) -> int:
+        return self.private.plan.steps_per_epoch
+
+    def __iter__(self):
+        batches = iter(self.private.data_loader)
+        restore, self.restore_rng = self.restore_rng, None
+        return batches if restore is None else _restored_after_first(batches, restore)
+
+
+def _restored_after_first(batches, restore):
+    first = next(batches, _END)  # creates the DataLoader iterator (one draw from torch's generator)
+    restore()
+    if first is not _END:
+        yield first
+        yield from batches
+
+
+_END = object()
+
+
+class _EpochOfPlan(TrainerCallback):
+    """``state.epoch`` from the plan's step: Trainer counts it from the batches of this call's
+    pass, which after a resume starts inside an epoch (Trainer skips no batches: ignore_data_skip)."""
+
+    def __init__(self, steps_per_epoch: int):
+        self.steps_per_epoch = steps_per_epoch
+
+    def on_step_end(self, args, state, control, **kwargs):
+        state.epoch = state.global_step / self.steps_per_epoch
+
+
+class DPTrainer(transformers.Trainer):
+    """``transformers.Trainer`` whose training is the privacy plan of ``opake.torch.make_private``.
+
+    Takes Trainer's arguments (same order), then the plan's, keyword-only: ``target_delta``
+    always, and exactly one of ``target_epsilon`` (the noise is calibrated) and
+    ``noise_multiplier``; ``strategy``, ``sampling``, ``amplification`` as in ``make_private``;
+    ``key`` (an ``opake.random.RngKey``) seeds the batches and the noise (without it, a key is
+    drawn from the operating system, as SECURITY.md recommends for published runs; resuming
+    needs the same key: it is saved in each checkpoint's opake_private.pt).
+
+    ``trainer.private`` is the ``PrivateTraining`` (``epsilon``, ``plan``, ``optimizer``,
+    ``state_dict()``). Arguments DPTrainer cannot honour raise
+    ``UnsupportedTrainingArgumentError`` listing each with its reason (``arguments_table()``).
+    """
+
+    def __init__(self, model=None, args=None, data_collator=None, train_dataset=None, eval_dataset=None,
+                 processing_class=None, model_init=None, compute_loss_func=None, compute_metrics=None,
+                 callbacks=None, optimizers=(None, None), optimizer_cls_and_kwargs=None,
+                 preprocess_logits_for_metrics=None, *, target_delta: float, target_epsilon: float | None = None,
+                 noise_multiplier: float | None = None, strategy=None, sampling: str = "balls_in_bins",
+                 amplification: bool = True, key=None):
+        if args is None:
+            args = transformers.TrainingArguments(output_dir="tmp_trainer")
+        if not isinstance(args, transformers.TrainingArguments):
+            raise TypeError(f"args must be a transformers.TrainingArguments, got {type(args).__name__}")
+        if model is None:
+            raise TypeError("DPTrainer needs model= (the model make_private hooks)")
+        check_arguments(args, {"model_init": model_init, "compute_loss_func": compute_loss_func,
+                               "train_dataset": train_dataset, "data_collator": data_collator,
+                               "optimizers": optimizers, "optimizer_cls_and_kwargs": optimizer_cls_and_kwargs,
+                               "eval_dataset": eval_dataset, "compute_metrics": compute_metrics,
+                               "callbacks": callbacks, "processing_class": processing_class,
+                               "preprocess_logits_for_metrics": preprocess_logits_for_metrics})
+        self.private_args = args
+        run_args = dataclasses.replace(args, gradient_accumulation_steps=1, max_grad_norm=0.0, ignore_data_skip=True)
+        super().__init__(model=model, args=run_args, data_collator=data_collator, train_dataset=train_dataset,
+                         eval_dataset=eval_dataset, processing_class=processing_class,
+                         compute_metrics=compute_metrics, callbacks=callbacks, optimizers=optimizers,
+                         optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
+                         preprocess_logits_for_metrics=preprocess_logits_for_metrics)
+        self.micro_batch_size = int(args.per_device_train_batch_size)
+        batch_size = self.micro_batch_size * int(args.gradient_accumulation_steps)
+        epochs = int(args.num_train_epochs)
+        dataset, collate = self._planned_dataset_and_collator(train_dataset)
+        optimizer = self.create_optimizer()  # Trainer's (or the one passed in optimizers=)
+        n_steps = epochs * (len(dataset) // batch_size)
+        lr_scheduler = self.lr_scheduler  # passed in optimizers=, or None
+        if strategy is None and lr_scheduler is None:
+            strategy = _strategy_for_trainer_schedule(optimizer, n_steps, self.args)
+        self.private = make_private(
+            module=self.model, optimizer=optimizer, dataset=dataset, batch_size=batch_size, epochs=epochs,
+            max_grad_norm=args.max_grad_norm, target_epsilon=target_epsilon, target_delta=target_delta,
+            noise_multiplier=noise_multiplier, strategy=strategy, sampling=sampling, amplification=amplification,
+            lr_scheduler=lr_scheduler, key=key, loss_reduction="mean", **self._loader_options(collate))
+        if self.private.plan.participation.n_steps != n_steps:  # pragma: no cover - make_private's epoch changed
+            raise RuntimeError(f"the plan has {self.private.plan.participation.n_steps} steps, DPTrainer expected "
+                               f"{n_steps}; the learning-rate schedule would not match the plan")
+        self.optimizer = self.private.optimizer
+        self._resumed_from = None  # the checkpoint folder train() resumes from, until its loader exists
+        self.add_callback(_EpochOfPlan(self.private.plan.steps_per_epoch))
+
+    # -- the plan's data ----------------------------------------------------------------------
+
+    def _planned_dataset_and_collator(self, dataset):
+        """The training set and collator as Trainer's own loader would use them (unused columns
+        removed), with empty planned batches collated."""
+        collate = self.data_collator
+        if is_datasets_available():
+            import datasets
+
+            if isinstance(dataset, datasets.Dataset):
+                dataset = self._remove_unused_columns(dataset, description="training")
+                return dataset, EmptyBatchCollator(collate, dataset)
+        return dataset, EmptyBatchCollator(self._get_collator_with_removed_columns(collate, "training"), dataset)
+
+    def _loader_options(self, collate) -> dict:
+        """The DataLoader options Trainer gives its own training loader (its ``_get_dataloader``)."""
+        args = self.args
+        return {"collate_fn": collate, "num_workers": args.dataloader_num_workers,
+                "pin_memory": args.dataloader_pin_memory, "persistent_workers": args.dataloader_persistent_workers,
+                "multiprocessing_context": args.dataloader_multiprocessing_context,
+                "prefetch_factor": args.dataloader_prefetch_factor, "in_order": args.dataloader_in_order,
+                "worker_init_fn": _WorkerSeed(args.dataloader_num_workers, args.process_index)}
+
+    def get_train_dataloader(self):
+        """The plan's loader: each pass (one Trainer epoch) serves the rest of the current epoch."""
+        loader = _PlannedEpochs(self.private, self.private.data_loader.dataset)
+        if self._resumed_from is not None:
+            folder, self._resumed_from = self._resumed_from, None
+            if self.private.steps_taken % self.private.plan.steps_per_epoch:
+                # Inside an epoch: an uninterrupted run created this epoch's iterator before the
+                # checkpoint (at an epoch's start it does so after, as the resumed run does).
+                loader.restore_rng = lambda: self._load_rng_state(folder)
+        return loader
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        """Trainer's prefetch of the next batch, without ``num_items_in_batch`` (a batch-wide token
+        count: dividing by it lets one example rescale the others' gradients)."""
+        batches = []
+        for _ in range(num_batches):
+            try:
+                batches.append(next(epoch_iterator))
+            except StopIteration:
+                break
+        return batches, None
+
+    # -- one step ---------------------------------------------------------------------------
+
+    def training_step(self, model: nn.Module, inputs, num_items_in_batch=None) -> torch.Tensor:
+        """Forward and backward over the micro-batches of ONE planned batch; Trainer then steps.
+
+        Returns the batch's mean loss (0 for an empty batch), for Trainer's log.
+        """
+        model.train()
+        self.private.optimizer.zero_grad()  # one planned batch per step: nothing else is summed in it
+        inputs = self._prepare_inputs(inputs)
+        size = batch_size_of(inputs)
+        total = torch.zeros((), device=self.args.device)
+        for part in micro_batches(inputs, size, self.micro_batch_size):
+            with self.compute_loss_context_manager():
+                loss = self.compute_loss(model, part)
+            self.accelerator.backward(loss)
+            total = total + loss.detach().float() * batch_size_of(part)
+        return total / max(size, 1)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """Trainer's loss (the model's per-example ``outputs.loss``), never with ``num_items_in_batch``.
+
+        Training never passes one (``get_batch_samples``); evaluation's (``prediction_step``)
+        is dropped too, so that the evaluation loss has the training loss's per-example form.
+        """
+        return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=None)
+
+    def _clip_grad_norm(self, model):
+        """Off: the clipping is per example, in the hooks; the summed .grad is not the released gradient."""
+        return None
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        """Off: the norm of autograd's unclipped, un-noised gradient would be a release nobody priced."""
+        return None
+
+    def log(self, logs: dict, start_time: float | None = None) -> None:
+        """Trainer's log with the guarantee so far (``epsilon``), the planned one, ``delta`` and sigma."""
+        logs = {name: value for name, value in logs.items() if name != "grad_norm"}
+        logs.update(epsilon=self.private.epsilon_spent(), epsilon_planned=self.private.epsilon,
+                    delta=self.private.delta, noise_multiplier=self.private.noise_multiplier)
+        super().log(logs, start_time)
+
+    # -- checkpoints ------------------------------------------------------------------------
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """Trainer's optimizer and scheduler files, then the private run's state beside them."""
+        super()._save_optimizer_and_scheduler(output_dir)
+        if self.args.should_save:
+            torch.save(self.private.state_dict(), os.path.join(output_dir, CHECKPOINT_NAME))
+
+    def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, *, draws: str | None = None,
+              fresh_key=None):
+        """Trainer's ``train``; resuming (``resume_from_checkpoint=folder`` or True) needs
+        ``draws="replay"`` or ``fresh_key=k`` (SECURITY.md, "Replaying or redrawing noise")."""
+        if trial is not None:
+            raise UnsupportedTrainingArgumentError(
+                "DPTrainer does not run hyperparameter trials: every trial trains on the private data, and "
+                "their privacy cost adds up (tune on public or held-out data, or account for the search)")
+        if resume_from_checkpoint is False:
+            resume_from_checkpoint = None
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
+            if resume_from_checkpoint is None:
+                raise ValueError(f"no checkpoint found in {self.args.output_dir} to resume from")
+        if resume_from_checkpoint is None:
+            if draws is not None or fresh_key is not None:
+                raise TypeError("draws= and fresh_key= choose how a resumed run draws its noise; pass them with "
+                                "resume_from_checkpoint=")
+            if self.private.steps_taken > 0:
+                raise RuntimeError(
+                    f"this DPTrainer's plan has taken {self.private.steps_taken} of its "
+                    f"{self.private.plan.participation.n_steps} steps; train() again would start Trainer over on "
+                    f"a consumed plan. Resume from a checkpoint (resume_from_checkpoint=..., draws=...) or build "
+                    f"a new DPTrainer (a new plan, whose privacy cost adds up with this one's)")
+        else:
+            self._load_private_checkpoint(str(resume_from_checkpoint), draws, fresh_key)
+            self._resumed_from = str(resume_from_checkpoint)
+        return super().train(resume_from_checkpoint=resume_from_checkpoint, ignore_keys_for_eval=ignore_keys_for_eval)
+
+    def _load_private_checkpoint(self, folder: str, draws, fresh_key) -> None:
+        if (draws is None) == (fresh_key is None):
+            raise TypeError(
+                "resuming a private run needs exactly one of draws='replay' (the steps after the checkpoint "
+                "redraw the same noise: safe only if nothing after the checkpoint was released, or their "
+                "gradients are bit-identical) and fresh_key=opake.random.key(...) (new noise: a second release "
+                "of those steps that the accounting must count); SECURITY.md, 'Replaying or redrawing noise'")
+        path = os.path.join(folder, CHECKPOINT_NAME)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(
+                f"{folder} has no {CHECKPOINT_NAME}: it was not saved by a DPTrainer, or with save_only_model=True; "
+                f"a private run resumes only with its noise state")
+        state = torch.load(path, weights_only=True, map_location="cpu")
+        self.private.load_state_dict(state, draws=draws, fresh_key=fresh_key)
+        trainer_state = transformers.TrainerState.load_from_json(os.path.join(folder, _TRAINER_STATE))
+        if trainer_state.global_step != self.private.steps_taken:
+            raise ValueError(
+                f"{folder}: Trainer's state is at step {trainer_state.global_step} but the noise state at step "
+                f"{self.private.steps_taken}; the checkpoint folder was mixed from two runs")
+
+    def hyperparameter_search(self, *args, **kwargs):
+        raise UnsupportedTrainingArgumentError(
+            "DPTrainer does not run hyperparameter searches: every trial trains on the private data, and their "
+            "privacy cost adds up (tune on public or held-out data, or account for the search)")
+
+
+class _WorkerSeed:
+    """Trainer's ``seed_worker`` for the planned loader's workers (a picklable callable)."""
+
+    def __init__(self, num_workers: int, rank: int):
+        self.num_workers = num_workers
+        self.rank = rank
+
+    def __call__(self, worker_id: int) -> None:
+        seed_worker(worker_id, num_workers=self.num_workers, rank=self.rank)
+
+
+def _strategy_for_trainer_schedule(optimizer, n_steps: int, args):
+    """For torch SGD, the BLT for the learning rates Trainer's scheduler will set (its noise
+    workload depends on them, ``strategy_for_optimizer``); None (make_private's default) otherwise.
+
+    The scheduler is built as Trainer builds it, on a copy of the optimizer whose parameters are
+    one-element stand-ins: the caller's optimizer and model are not touched.
+    """
+    if type(optimizer) is not torch.optim.SGD:
+        return None
+    stand_ins = {id(p): nn.Parameter(torch.zeros(1)) for group in optimizer.param_groups for p in group["params"]}
+    probe = copy.deepcopy(optimizer, memo=dict(stand_ins))
+    scheduler = transformers.get_scheduler(args.lr_scheduler_type, optimizer=probe,
+                                           num_warmup_steps=args.get_warmup_steps(n_steps),
+                                           num_training_steps=n_steps,
+                                           scheduler_specific_kwargs=args.lr_scheduler_kwargs)
+    return strategy_for_optimizer(probe, n_steps, scheduler)

@@ -1,0 +1,378 @@
+"""DPTrainer: transformers.Trainer on the privacy plan, against a hand-written loop over the plan.
+
+Tiny GPT-2 models built from configs (nothing downloads), trained on synthetic sentences
+tokenized by a character-level tokenizer written here. The strongest check: DPTrainer's trained
+parameters equal, bit for bit, those of the documented loop over ``private.data_loader`` with
+the same key (same batches, same noise), for full fine-tuning and for LoRA.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+import opake.random  # noqa: E402
+from opake.torch import UnplannedBatchError, make_private  # noqa: E402
+from opake.transformers import (  # noqa: E402
+    CHECKPOINT_NAME,
+    DPTrainer,
+    UnsupportedTrainingArgumentError,
+)
+
+CHARACTERS = "abcdefghijklmnopqrstuvwxyz ."
+PAD = 0  # ids 1.. are the characters
+VOCAB = len(CHARACTERS) + 1
+WORDS = ("the cat dog bird sat ran saw ate on under near a mat tree log big small red".split())
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Seconds, not minutes, on a shared 2-core machine; also keeps float sums in one order."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    transformers.logging.set_verbosity_error()
+    yield
+    torch.set_num_threads(threads)
+
+
+def sentences(count: int, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 5))) + "." for _ in range(count)]
+
+
+def encode(text: str) -> list[int]:
+    return [CHARACTERS.index(c) + 1 for c in text]
+
+
+class CharDataset(torch.utils.data.Dataset):
+    def __init__(self, texts):
+        self.items = [torch.tensor(encode(t)) for t in texts]
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, index):
+        return {"input_ids": self.items[index]}
+
+
+def collate(features):
+    """Right-pads to the batch's longest sentence; labels -100 on padding. position_ids are given
+    per example: GPT-2 otherwise broadcasts (1, T) positions over the batch, which its learned
+    position embedding cannot clip per example."""
+    longest = max(len(f["input_ids"]) for f in features)
+    ids = torch.full((len(features), longest), PAD)
+    mask = torch.zeros((len(features), longest), dtype=torch.long)
+    for row, f in enumerate(features):
+        ids[row, :len(f["input_ids"])] = f["input_ids"]
+        mask[row, :len(f["input_ids"])] = 1
+    labels = ids.masked_fill(mask == 0, -100)
+    positions = torch.arange(longest).expand(len(features), longest).clone()
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels, "position_ids": positions}
+
+
+def collate_allowing_empty(features):
+    return collate(features) if features else {name: t[:0] for name, t in collate([{"input_ids": torch.ones(1,
+                                               dtype=torch.long)}]).items()}
+
+
+def gpt2(seed: int = 0, dropout: float = 0.0):
+    torch.manual_seed(seed)
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=16, n_layer=1, n_head=2,
+                                     resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
+                                     bos_token_id=PAD, eos_token_id=PAD, pad_token_id=PAD)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def lora(model):
+    config = peft.LoraConfig(r=2, lora_alpha=4, target_modules=["c_attn"], fan_in_fan_out=True, lora_dropout=0.0)
+    return peft.get_peft_model(model, config)
+
+
+def arguments(tmp_path, **overrides):
+    settings = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=8, num_train_epochs=2,
+                    learning_rate=0.05, optim="sgd", report_to="none", save_strategy="no", logging_steps=2,
+                    disable_tqdm=True, dataloader_pin_memory=False, use_cpu=True, seed=0)
+    settings.update(overrides)
+    return transformers.TrainingArguments(**settings)
+
+
+PLAN = dict(noise_multiplier=0.8, target_delta=1e-5)
+
+
+def dp_trainer(model, args, dataset, seed=3, **plan):
+    return DPTrainer(model=model, args=args, train_dataset=dataset, data_collator=collate,
+                     key=opake.random.key(seed), **{**PLAN, **plan})
+
+
+def hand_loop(model, dataset, *, batch_size, epochs, lr, seed=3, micro_batch=8):
+    """The documented opake.torch loop, with Trainer's SGD and linear schedule built by hand; a
+    planned batch larger than ``micro_batch`` is run as ceil(size / micro_batch) balanced virtual
+    batches before its one step (docs/torch.md), as DPTrainer does for per_device_train_batch_size."""
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr)
+    n_steps = epochs * (len(dataset) // batch_size)
+    scheduler = transformers.get_linear_schedule_with_warmup(optimizer, 0, n_steps)
+    private = make_private(module=model, optimizer=optimizer, dataset=dataset, batch_size=batch_size,
+                           epochs=epochs, max_grad_norm=1.0, lr_scheduler=scheduler, key=opake.random.key(seed),
+                           collate_fn=collate_allowing_empty, **PLAN)
+    for _ in range(epochs):
+        for batch in private.data_loader:
+            private.optimizer.zero_grad()
+            parts = -(-len(batch["input_ids"]) // micro_batch)
+            for part in range(parts):
+                model(**{name: value.tensor_split(parts)[part] for name, value in batch.items()}).loss.backward()
+            private.optimizer.step()
+            scheduler.step()
+    return private
+
+
+def parameters(model) -> dict:
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def assert_same(first: dict, second: dict):
+    assert first.keys() == second.keys()
+    different = [name for name in first if not torch.equal(first[name], second[name])]
+    assert not different, f"parameters differ: {different}"
+
+
+# -- the plan's batches ------------------------------------------------------------------------
+
+
+def test_plain_trainer_on_its_own_loader_is_refused(tmp_path):
+    model, dataset = gpt2(), CharDataset(sentences(32))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    private = make_private(module=model, optimizer=optimizer, dataset=dataset, batch_size=8, epochs=1,
+                           max_grad_norm=1.0, key=opake.random.key(0), collate_fn=collate_allowing_empty, **PLAN)
+    trainer = transformers.Trainer(model=model, args=arguments(tmp_path, optim="adamw_torch"),
+                                   train_dataset=dataset, data_collator=collate,
+                                   optimizers=(private.optimizer, None))
+    before = parameters(model)
+    with pytest.raises(UnplannedBatchError, match="batches the accountant did not price"):
+        trainer.train()
+    assert private.steps_taken == 0
+    assert_same(parameters(model), before)
+
+
+@pytest.mark.parametrize("adapters", [False, True], ids=["full", "lora"])
+def test_dp_trainer_equals_the_hand_written_loop(tmp_path, adapters):
+    dataset = CharDataset(sentences(48))
+    build = (lambda: lora(gpt2())) if adapters else gpt2  # gpt2() seeds torch: LoRA's init is the same too
+    trained, reference = build(), build()
+    initial = parameters(trained)
+    trainer = dp_trainer(trained, arguments(tmp_path), dataset)
+    trainer.train()
+    private = hand_loop(reference, dataset, batch_size=8, epochs=2, lr=0.05)
+
+    assert trainer.private.plan.participation == private.plan.participation
+    assert trainer.private.plan.strategy == private.plan.strategy  # the BLT for Trainer's linear schedule
+    assert trainer.private.noise_multiplier == private.noise_multiplier
+    assert trainer.state.global_step == trainer.private.steps_taken == private.plan.participation.n_steps == 12
+    assert_same(parameters(trained), parameters(reference))
+    changed = {name for name, value in parameters(trained).items() if not torch.equal(value, initial[name])}
+    trainable = {name for name, p in trained.named_parameters() if p.requires_grad}
+    assert changed == trainable
+    if adapters:
+        assert trainable and all("lora_" in name for name in trainable)
+
+
+def test_gradient_accumulation_cuts_one_planned_batch_into_micro_batches(tmp_path):
+    dataset = CharDataset(sentences(48))
+    results, sizes = {}, []
+    for per_device, steps in ((8, 1), (4, 2)):
+        model = gpt2()
+        trainer = dp_trainer(model, arguments(tmp_path, per_device_train_batch_size=per_device,
+                                              gradient_accumulation_steps=steps), dataset)
+        if steps == 2:  # record the micro-batches the model sees, per optimizer step
+            model.register_forward_pre_hook(
+                lambda module, args, kwargs: sizes.append((trainer.private.steps_taken, len(kwargs["input_ids"]))),
+                with_kwargs=True)
+        trainer.train()
+        results[per_device] = (trainer, parameters(model))
+    whole, parts = results[8][0], results[4][0]
+    assert whole.private.plan.expected_batch_size == parts.private.plan.expected_batch_size == 8
+    assert parts.private.plan.participation == whole.private.plan.participation
+    assert parts.state.global_step == parts.private.plan.participation.n_steps == 12
+    assert all(size <= 4 for _, size in sizes)
+    batches = parts.private.optimizer.batches
+    for step in range(12):
+        seen = [size for taken, size in sizes if taken == step]
+        planned = len(batches.indices(step))
+        assert sum(seen) == planned and len(seen) == -(-planned // 4)
+    for name, value in results[8][1].items():
+        torch.testing.assert_close(results[4][1][name], value, rtol=1e-5, atol=1e-6)
+
+
+def test_empty_planned_batches_step_on_noise_alone(tmp_path):
+    dataset = CharDataset(sentences(12))  # expected batch size 1: 12 bins, some empty
+    trainer = dp_trainer(gpt2(), arguments(tmp_path, per_device_train_batch_size=1, num_train_epochs=1), dataset)
+    empty = [t for t in range(12) if not trainer.private.optimizer.batches.indices(t)]
+    assert empty, "the test needs a plan with an empty bin (change the key)"
+    trainer.train()
+    assert trainer.private.steps_taken == 12
+
+
+# -- the loss, the clipping, precision ---------------------------------------------------------
+
+
+def test_loss_is_the_mean_of_each_examples_own_token_mean(tmp_path):
+    dataset = CharDataset(["a cat.", "the big red dog sat on a log."])
+    model = gpt2()
+    trainer = dp_trainer(model, arguments(tmp_path, per_device_train_batch_size=1, num_train_epochs=1), dataset)
+    batch = collate([dataset[0], dataset[1]])
+    loss = trainer.compute_loss(model, dict(batch))
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                   position_ids=batch["position_ids"]).logits.double()
+    per_example = []
+    for row in range(2):
+        length = int(batch["attention_mask"][row].sum())
+        per_example.append(F.cross_entropy(logits[row, :length - 1], batch["input_ids"][row, 1:length]))
+    torch.testing.assert_close(loss.double(), torch.stack(per_example).mean(), rtol=1e-5, atol=1e-6)
+    # HF's batch-wide token mean weights the long sentence by its token count: a different number
+    tokens = [int(batch["attention_mask"][row].sum()) - 1 for row in range(2)]
+    batch_wide = sum(t * value for t, value in zip(tokens, per_example)) / sum(tokens)
+    assert abs(float(batch_wide) - float(loss.detach())) > 1e-3
+    assert trainer.get_batch_samples(iter([batch]), 1, "cpu")[1] is None  # no num_items_in_batch
+    assert torch.equal(trainer.compute_loss(model, dict(batch), num_items_in_batch=40), loss)  # dropped
+
+
+def test_max_grad_norm_is_the_per_example_clipping_norm(tmp_path):
+    dataset = CharDataset(sentences(8))
+    default = dp_trainer(gpt2(), arguments(tmp_path), dataset)
+    assert default.private.plan.max_grad_norm == 1.0  # Trainer's default
+    model = gpt2()
+    trainer = dp_trainer(model, arguments(tmp_path, max_grad_norm=1e-3, num_train_epochs=1, learning_rate=1.0),
+                         dataset, noise_multiplier=1e-6)
+    assert trainer.private.plan.max_grad_norm == 1e-3
+    assert trainer.private.optimizer.clipper.max_grad_norm == 1e-3
+    assert trainer.args.max_grad_norm == 0.0  # Trainer's own clipping of the summed .grad is off
+    before = parameters(model)
+    trainer.train()  # one bin of all 8 examples: one step, at learning rate 1 (linear schedule, step 0)
+    # SGD moves by the clipped sum over the expected batch size (8), noise negligible: every
+    # example's gradient is far above 1e-3, so each adds exactly 1e-3 of norm, at most 8e-3 in all
+    moved = float(torch.cat([(parameters(model)[n] - before[n]).reshape(-1) for n in before]).norm())
+    assert trainer.private.steps_taken == 1 and len(trainer.private.optimizer.batches.indices(0)) == 8
+    assert moved <= 1e-3 * (1 + 1e-4)
+    assert moved > 0.3e-3  # the examples' gradients point roughly the same way at initialization
+
+
+def test_bf16_trains_under_autocast(tmp_path):
+    model = lora(gpt2())
+    dtypes = []
+    inner = model.base_model.model.transformer.h[0].attn.c_attn.lora_A["default"]
+    inner.register_forward_hook(lambda module, args, output: dtypes.append(output.dtype))
+    trainer = dp_trainer(model, arguments(tmp_path, bf16=True, num_train_epochs=1), CharDataset(sentences(32)))
+    trainer.train()
+    assert trainer.private.steps_taken == 4
+    assert dtypes and set(dtypes) == {torch.bfloat16}
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+# -- logs and checkpoints ----------------------------------------------------------------------
+
+
+def test_logs_carry_epsilon_and_noise_multiplier_and_no_gradient_norm(tmp_path):
+    trainer = dp_trainer(gpt2(), arguments(tmp_path, num_train_epochs=1), CharDataset(sentences(32)),
+                         noise_multiplier=None, target_epsilon=4.0)
+    trainer.train()
+    history = trainer.state.log_history
+    assert len(history) >= 2 and any("loss" in entry for entry in history)
+    assert trainer.private.epsilon <= 4.0 + 1e-6
+    spent = [entry["epsilon"] for entry in history]
+    assert spent == sorted(spent) and spent[-1] == trainer.private.epsilon    # the last log: every step taken
+    for entry in history:
+        assert 0 < entry["epsilon"] <= entry["epsilon_planned"] == trainer.private.epsilon
+        assert entry["delta"] == 1e-5
+        assert entry["noise_multiplier"] == trainer.private.optimizer.noise_multiplier
+        assert "grad_norm" not in entry
+
+
+def test_save_and_resume_with_replay_continues_bit_identically(tmp_path):
+    """AdamW, dropout, a linear schedule: resumed inside an epoch (step 3 of 4) and at an epoch's
+    end (step 4), the run ends on the uninterrupted run's parameters, bit for bit."""
+    dataset = CharDataset(sentences(32))  # 4 steps per epoch, 8 in all
+    settings = dict(optim="adamw_torch", learning_rate=1e-2, save_strategy="steps", save_steps=1)
+    full_model = gpt2(dropout=0.1)
+    full = dp_trainer(full_model, arguments(tmp_path / "full", **settings), dataset)
+    full.train()
+    for step in (3, 4):
+        checkpoint = tmp_path / "full" / "out" / f"checkpoint-{step}"
+        saved = torch.load(checkpoint / CHECKPOINT_NAME, weights_only=True)
+        assert saved["noise"]["step"] == step and saved["key"] == opake.random.key(3).hex()
+        resumed_model = gpt2(seed=1, dropout=0.1)  # other initial weights: the checkpoint replaces them
+        resumed = dp_trainer(resumed_model, arguments(tmp_path / f"resumed{step}", **settings), dataset)
+        if step == 3:
+            with pytest.raises(TypeError, match="draws='replay'.*fresh_key"):
+                resumed.train(resume_from_checkpoint=str(checkpoint))
+        resumed.train(resume_from_checkpoint=str(checkpoint), draws="replay")
+        assert resumed.state.global_step == resumed.private.steps_taken == 8
+        assert resumed.state.epoch == 2.0
+        assert_same(parameters(resumed_model), parameters(full_model))
+
+    other_key = dp_trainer(gpt2(), arguments(tmp_path / "other", **settings), dataset, seed=4)
+    with pytest.raises(ValueError, match="another plan or key"):
+        other_key.train(resume_from_checkpoint=str(checkpoint), draws="replay")
+
+
+def test_train_twice_and_checkpoints_without_noise_state_are_refused(tmp_path):
+    trainer = dp_trainer(gpt2(), arguments(tmp_path, num_train_epochs=1), CharDataset(sentences(16)))
+    with pytest.raises(TypeError, match="resume_from_checkpoint"):
+        trainer.train(draws="replay")
+    trainer.train()
+    with pytest.raises(RuntimeError, match="consumed plan"):
+        trainer.train()
+    folder = tmp_path / "plain"
+    folder.mkdir()
+    with pytest.raises(FileNotFoundError, match=re.escape(CHECKPOINT_NAME)):
+        dp_trainer(gpt2(), arguments(tmp_path, num_train_epochs=1), CharDataset(sentences(16))).train(
+            resume_from_checkpoint=str(folder), draws="replay")
+
+
+def test_evaluation_between_steps_changes_nothing(tmp_path):
+    dataset, held_out = CharDataset(sentences(32)), CharDataset(sentences(8, seed=1))
+    plain, evaluated = gpt2(), gpt2()
+    dp_trainer(plain, arguments(tmp_path, num_train_epochs=1), dataset).train()
+    trainer = DPTrainer(model=evaluated, args=arguments(tmp_path, num_train_epochs=1, eval_strategy="steps",
+                                                        eval_steps=1, per_device_eval_batch_size=4),
+                        train_dataset=dataset, eval_dataset=held_out, data_collator=collate,
+                        key=opake.random.key(3), **PLAN)
+    trainer.train()
+    assert sum("eval_loss" in entry for entry in trainer.state.log_history) == 4
+    assert_same(parameters(evaluated), parameters(plain))
+
+
+# -- refusals ----------------------------------------------------------------------------------
+
+
+def test_trainer_arguments_without_a_private_meaning_are_refused(tmp_path):
+    dataset = CharDataset(sentences(16))
+    with pytest.raises(UnsupportedTrainingArgumentError, match="model_init=.*hooked"):
+        DPTrainer(model=gpt2(), args=arguments(tmp_path), train_dataset=dataset, model_init=gpt2, **PLAN)
+    with pytest.raises(UnsupportedTrainingArgumentError, match="compute_loss_func=.*rescale the others"):
+        DPTrainer(model=gpt2(), args=arguments(tmp_path), train_dataset=dataset,
+                  compute_loss_func=lambda outputs, labels, num_items_in_batch: outputs.loss, **PLAN)
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(dataset)
+
+    with pytest.raises(UnsupportedTrainingArgumentError, match="train_dataset=.*map-style"):
+        DPTrainer(model=gpt2(), args=arguments(tmp_path), train_dataset=Stream(), **PLAN)
+    trainer = dp_trainer(gpt2(), arguments(tmp_path), dataset)
+    with pytest.raises(UnsupportedTrainingArgumentError, match="hyperparameter"):
+        trainer.hyperparameter_search()
+    with pytest.raises(UnsupportedTrainingArgumentError, match="hyperparameter"):
+        trainer.train(trial={"learning_rate": 0.1})
+
+
+def test_refused_arguments_leave_the_model_unhooked(tmp_path):
+    model = gpt2()
+    with pytest.raises(UnsupportedTrainingArgumentError, match="max_steps=5"):
+        dp_trainer(model, arguments(tmp_path, max_steps=5), CharDataset(sentences(16)))
+    dp_trainer(model, arguments(tmp_path), CharDataset(sentences(16)))  # make_private accepts it: no hooks yet
