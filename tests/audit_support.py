@@ -1,8 +1,9 @@
 """Test-only machinery for the empirical privacy audit (tests/test_audit.py).
 
 The audit attacks the code that runs: canary gradients go through opake's real clipping
-(``clipped_grad``) and the real noise engine (``mf_gaussian_noise``); only the test statistic
-and the statistics around it live here. Nothing in this module is imported by the library.
+(``clipped_grad``) and the real noise engine (``mf_gaussian_noise``); the test statistic and its
+separation check live here, the epsilon lower bound is the library's (``opake.audit``). Nothing
+in this module is imported by the library.
 
 Why the coordinates of one run are independent audit runs. The engine adds, to every element
 j of the gradient vector, sigma * clip / norm * (C^{-1} z^{(j)}) with z^{(j)} ~ N(0, I_n)
@@ -33,6 +34,8 @@ from scipy import stats
 
 import opake.dpftrl.accounting as dpftrl_acc
 from dense import blt_coefs, lower_toeplitz
+from opake.audit.many_runs import clopper_pearson_upper as _clopper_pearson_upper  # noqa: F401 (shared)
+from opake.audit.many_runs import epsilon_lower_bound
 from opake.dpftrl.clipping import clipped_grad
 from opake.dpftrl.noise import mf_gaussian_noise
 from opake.random import key
@@ -164,30 +167,13 @@ def check_separation(run: AuditRun, mu_expected: float) -> SeparationCheck:
 def empirical_epsilon_lower_bound(run: AuditRun, delta: float = DELTA) -> float:
     """max over a fixed threshold grid of log((1 - delta - FNR_up) / FPR_up) (>= 0).
 
-    The test "reject OUT when T > tau" has FPR = P_out(T > tau) and FNR = P_in(T <= tau). An
-    (eps, delta)-DP mechanism has 1 - delta - FNR <= e^eps FPR for every test, so if the
-    Clopper-Pearson upper bounds FPR_up >= FPR and FNR_up >= FNR hold, the returned value is
-    <= eps. The grid (N_THRESHOLDS points, fixed before seeing data from the expected mu)
-    makes 2 * N_THRESHOLDS one-sided bounds at P_THRESHOLD each: the chance that the bound
-    exceeds the true epsilon is <= 2 * 64 * 1e-9 < 1.3e-7.
+    The test "reject OUT when T > tau" has FPR = P_out(T > tau) and FNR = P_in(T <= tau); the
+    bound is ``opake.audit.epsilon_lower_bound`` (Clopper-Pearson, see opake/audit/many_runs.py)
+    on the grid of N_THRESHOLDS points fixed before seeing data from the expected mu, at
+    P_THRESHOLD per one-sided bound: the chance that the bound exceeds the true epsilon is
+    <= 2 * 64 * 1e-9 < 1.3e-7.
     """
-    x_in, x_out = run.statistic_in, run.statistic_out
-    count_in, count_out = x_in.shape[0], x_out.shape[0]
     mu = run.pattern_norm / run.claimed_noise_multiplier
-    best = 0.0
-    for tau in np.linspace(-2.0, mu + 5.0, N_THRESHOLDS):
-        false_pos = int(np.count_nonzero(x_out > tau))
-        false_neg = int(np.count_nonzero(x_in <= tau))
-        fpr_up = _clopper_pearson_upper(false_pos, count_out, P_THRESHOLD)
-        fnr_up = _clopper_pearson_upper(false_neg, count_in, P_THRESHOLD)
-        numerator = 1.0 - delta - fnr_up
-        if numerator > 0.0 and fpr_up > 0.0:
-            best = max(best, math.log(numerator / fpr_up))
-    return best
-
-
-def _clopper_pearson_upper(successes: int, trials: int, alpha: float) -> float:
-    """One-sided (1 - alpha) Clopper-Pearson upper bound on a binomial proportion."""
-    if successes >= trials:
-        return 1.0
-    return float(stats.beta.isf(alpha, successes + 1, trials - successes))
+    thresholds = np.linspace(-2.0, mu + 5.0, N_THRESHOLDS)
+    return epsilon_lower_bound(run.statistic_in, run.statistic_out, delta=delta,
+                               significance=2 * N_THRESHOLDS * P_THRESHOLD, thresholds=thresholds).epsilon

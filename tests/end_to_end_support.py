@@ -54,8 +54,9 @@ import torch
 from scipy import integrate, special, stats
 
 import opake.dpftrl.accounting as dpftrl_acc
-from audit_support import CANARY_SCALE, P_THRESHOLD, _clopper_pearson_upper
+from audit_support import CANARY_SCALE, P_THRESHOLD
 from dense import blt_coefs, lower_toeplitz
+from opake.audit import clopper_pearson_upper
 from opake.dpftrl.clipping import clipped_grad
 from opake.dpftrl.noise import mf_gaussian_noise
 from opake.dpftrl.participation import Participation
@@ -290,8 +291,8 @@ def check_claim(run: WorldsRun) -> ClaimCheck:
         false_pos = int(np.count_nonzero(x_d > tau))
         false_neg = int(np.count_nonzero(x_dp <= tau))
         fpr, fnr = false_pos / x_d.size, false_neg / x_dp.size
-        fpr_up = _clopper_pearson_upper(false_pos, x_d.size, P_THRESHOLD)
-        fnr_up = _clopper_pearson_upper(false_neg, x_dp.size, P_THRESHOLD)
+        fpr_up = clopper_pearson_upper(false_pos, x_d.size, P_THRESHOLD)
+        fnr_up = clopper_pearson_upper(false_neg, x_dp.size, P_THRESHOLD)
         margins = (1.0 - DELTAS - fnr_up) - np.exp(epsilons) * fpr_up
         i = int(np.argmax(margins))
         if best is None or margins[i] > best[0]:
@@ -355,8 +356,7 @@ def miss_probability(fpr: float, fnr: float, worlds: int, detects) -> float:
     P(miss) <= min_a P(FP > a) + P(FN > b(a)); exact binomial tails, no approximation.
     """
     counts = np.arange(worlds + 1)
-    upper = np.ones(worlds + 1)                          # Clopper-Pearson, as _clopper_pearson_upper
-    upper[:-1] = stats.beta.isf(P_THRESHOLD, counts[:-1] + 1, worlds - counts[:-1])
+    upper = clopper_pearson_upper(counts, worlds, P_THRESHOLD)
     best = 1.0
     for a in counts:
         ok = detects(upper[a], upper)                     # over all FN counts b
