@@ -83,8 +83,34 @@ def smallest_epsilon(delta_of_epsilon, delta: float, upper: float, *, rtol: floa
         return math.log(max(delta_of_epsilon(epsilon), 5e-324)) - log_delta
 
     root = scipy.optimize.brentq(excess, 0.0, upper, xtol=rtol * max(1.0, upper), rtol=max(rtol, 4e-16))
-    step = rtol * max(1.0, root)
-    while delta_of_epsilon(root) > delta:
-        root = min(root + step, upper)
+    return certified_epsilon(delta_of_epsilon, delta, root, upper=upper, first_step=rtol * max(1.0, root))
+
+
+def certified_epsilon(delta_of_epsilon, delta: float, epsilon: float, *, upper: float = math.inf,
+                      first_step: float = 0.0) -> float:
+    """``epsilon``, rounded up until ``delta_of_epsilon(epsilon) <= delta`` holds as computed.
+
+    An inversion in closed form or by root finding lands within a few ulps of the root, on
+    either side; the side that matters is the one ``delta_at`` then sees. This moves epsilon up
+    (first by ``first_step`` or one ulp, then by doubling steps, never past ``upper``, where the
+    caller has checked the curve is <= delta) until the curve, evaluated exactly as the process
+    evaluates it, is <= delta, so ``delta_at(epsilon_at(d)) <= d`` holds in floats, not only in
+    exact arithmetic. ``delta_of_epsilon`` must be non-increasing. An infinite epsilon is
+    returned as it is (nothing finite is certified). Raises RuntimeError if 2000 steps do not
+    reach a certified value (a curve that never falls to delta below ``upper``).
+    """
+    value = float(epsilon)
+    if not math.isfinite(value):
+        return value
+    step = max(float(first_step), math.ulp(max(value, 1.0)))
+    for _ in range(2000):
+        if delta_of_epsilon(value) <= delta:
+            return value
+        if value >= upper:
+            break
+        value = min(value + step, upper) if value + step > value else math.nextafter(value, math.inf)
         step *= 2.0
-    return root
+    raise RuntimeError(
+        f"could not certify delta={delta!r}: the delta(epsilon) curve stays above it up to epsilon={value!r}; "
+        "this is a bug in the process's delta_at or epsilon_at, please report it"
+    )

@@ -3,8 +3,9 @@
 * ``mf_gaussian(noise_multiplier, strategy, n_steps, min_sep, max_participations)``: the run as
   one Gaussian with noise multiplier noise_multiplier / S (exact).
 * ``balls_in_bins(mf_gaussian(noise_multiplier, strategy), num_bins, n_steps)``: fixed bins
-  processed cyclically; rigorous (unamplified) by default, a rigorous amplified RDP bound
-  (method="amplified") or a Monte Carlo estimate (method="monte_carlo") on request.
+  processed cyclically; by default the tightest proven bound (the random-allocation PLD for the
+  identity strategy, the amplified Renyi / hockey-stick bound for other C >= 0, else the
+  unamplified bound); a Monte Carlo estimate (method="monte_carlo") on request.
 * ``poisson(mf_gaussian(noise_multiplier, strategy), sample_rate, n_steps)``: cyclic Poisson
   sampling for BandMF (Band23 Thm 4) and the identity strategy (DP-SGD), by PLD; refuses a BLT.
 
@@ -16,6 +17,7 @@ mechanism and the noise multiplier); ``check_noise_priced`` (what
 from opake.dpftrl.accounting.allocation.balls_in_bins import BallsInBins, balls_in_bins
 from opake.dpftrl.accounting.gaussian import MFGaussian, UnboundMechanismError, mf_gaussian
 from opake.dpftrl.accounting.allocation.monte_carlo import BallsInBinsMonteCarlo, DeltaEstimate, EpsilonEstimate
+from opake.dpftrl.accounting.allocation.pld import BallsInBinsPLD
 from opake.dpftrl.accounting.poisson import UnsupportedAmplificationError, poisson
 from opake.dpftrl.noise.priced import AccountingMismatchError, PricedNoise, check_noise_priced
 from opake.dpftrl.accounting.allocation.rdp import BallsInBinsRDP
@@ -24,6 +26,7 @@ __all__ = [
     "AccountingMismatchError",
     "BallsInBins",
     "BallsInBinsMonteCarlo",
+    "BallsInBinsPLD",
     "BallsInBinsRDP",
     "DeltaEstimate",
     "EpsilonEstimate",

@@ -35,7 +35,7 @@ from dp_accounting.pld import PLDAccountant
 
 from opake.accounting.calibrate import calibrate
 from opake.accounting.gaussian import gaussian
-from opake.accounting.process import check_delta, check_epsilon
+from opake.accounting.process import certified_epsilon, check_delta, check_epsilon
 from opake.dpftrl.accounting.gaussian import MFGaussian
 from opake.dpftrl.noise.priced import PricedNoise
 from opake.dpftrl.participation import Participation
@@ -112,7 +112,8 @@ class CyclicPoisson:
 
     def epsilon_at(self, delta: float) -> float:
         delta = check_delta(delta)
-        return float(self._accountant.get_epsilon(delta))
+        # dp_accounting inverts its own curve; round up so delta_at(epsilon_at(d)) <= d in floats.
+        return certified_epsilon(self.delta_at, delta, float(self._accountant.get_epsilon(delta)))
 
     def delta_at(self, epsilon: float) -> float:
         epsilon = check_epsilon(epsilon)
@@ -159,6 +160,12 @@ def _bands(strategy) -> int:
         return 1
     if isinstance(strategy, BandMFStrategy):
         return strategy.bands
+    from opake.dpftrl.strategies.prefix import PrefixStrategy
+
+    if isinstance(strategy, PrefixStrategy) and strategy.bands is not None:
+        return strategy.bands  # the first steps of a banded run: the same bands
+    if isinstance(strategy, PrefixStrategy):
+        raise UnsupportedAmplificationError(BLT_ADVICE)
     raise UnsupportedAmplificationError(
         f"cyclic Poisson amplification (Band23 Thm 4) needs a banded strategy; got "
         f"{type(strategy).__name__}. Use band_mf_strategy(bands) or identity_strategy(), or price "

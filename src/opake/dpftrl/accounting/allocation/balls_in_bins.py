@@ -7,14 +7,23 @@ supplies that participation (min_sep = b, max_participations = k) to an unbound
 
 * ``method="rigorous"``: the unamplified single-Gaussian bound for that participation
   (MATH.md section 6). A proven upper bound; it ignores the randomness of the bin assignment.
-* ``method="amplified"`` (``"rdp"`` is its old name, still accepted): a rigorous *amplified* bound of the dominating pair, per direction the
-  better of Renyi divergences (``allocation/rdp.py``) and direct hockey-stick bounds
-  (``allocation/hockey_stick.py``; derivations in docs/balls_in_bins_rdp.md), capped by the
-  unamplified bound. Needs C >= 0 entrywise (true for a BLT and the identity).
-* default (``method=None``): the tightest proven bound that applies: "amplified" when C >= 0, else
-  "rigorous". It costs about 0.3 s for b = 100 bins, 1 to 3 s at b = 1000.
+* ``method="amplified"`` (``"rdp"`` is its old name, still accepted): a rigorous *amplified* bound
+  of the dominating pair, per direction the better of Renyi divergences (``allocation/rdp.py``)
+  and direct hockey-stick bounds (``allocation/hockey_stick.py``; derivations in
+  docs/balls_in_bins_rdp.md), capped by the unamplified bound. Needs C >= 0 entrywise (true for
+  a BLT and the identity).
+* ``method="allocation_pld"``: for *orthogonal bins* (C >= 0 with c_l = 0 for every lag l not
+  divisible by b; the identity strategy, i.e. DP-SGD), the privacy loss distribution of random
+  allocation with pessimistic discretization (``allocation/pld.py``, docs/allocation_pld.md),
+  capped by the unamplified bound. Refused for other strategies.
+* default (``method=None``): the tightest proven bound that applies. Orthogonal bins: the
+  allocation PLD and the amplified bound, per direction the smaller, capped by the unamplified
+  bound (about 1 to 3 s for 100 bins); other C >= 0: "amplified" (about 0.3 s for b = 100 bins,
+  1 to 3 s at b = 1000); else "rigorous".
 * ``method="monte_carlo"``: an *estimate* of the amplified privacy of the dominating pair,
   with confidence bounds (``monte_carlo.py``); never a guarantee.
+
+Adaptively chosen gradients: docs/adaptivity.md says which of these bounds are proven for them.
 """
 
 from __future__ import annotations
@@ -26,9 +35,10 @@ from opake.dpftrl.accounting.allocation.bin_gram import has_non_negative_entries
 from opake.dpftrl.accounting.gaussian import MFGaussian
 from opake.dpftrl.accounting.allocation.monte_carlo import BallsInBinsMonteCarlo, monte_carlo
 from opake.dpftrl.noise.priced import PricedNoise
+from opake.dpftrl.accounting.allocation.pld import BallsInBinsPLD, allocation_pld, orthogonal_bins
 from opake.dpftrl.accounting.allocation.rdp import BallsInBinsRDP, rdp_allocation
 
-METHODS = ("rigorous", "monte_carlo", "amplified")
+METHODS = ("rigorous", "monte_carlo", "amplified", "allocation_pld")
 # Old names of a method, still accepted: "rdp" said Renyi only, before the direct hockey-stick bounds.
 METHOD_ALIASES = {"rdp": "amplified"}
 
@@ -97,7 +107,7 @@ def balls_in_bins(
     num_samples: int | None = None,
     seed: int | None = None,
     confidence: float | None = None,
-) -> BallsInBins | BallsInBinsRDP | BallsInBinsMonteCarlo:
+) -> BallsInBins | BallsInBinsRDP | BallsInBinsPLD | BallsInBinsMonteCarlo:
     """Price a run whose units are assigned to ``num_bins`` fixed bins, processed cyclically.
 
     Args:
@@ -105,10 +115,12 @@ def balls_in_bins(
         function supplies n_steps, min_sep=num_bins and max_participations=ceil(n_steps/num_bins).
       num_bins: number of bins b, 1 <= b <= n_steps.
       n_steps: number of training steps.
-      method: None (default: the tightest proven bound that applies, "amplified" when C >= 0
-        entrywise, else "rigorous"), "rigorous" (proven, unamplified), "amplified" (proven,
-        amplified: Renyi and direct hockey-stick bounds; needs C >= 0; "rdp" is an alias) or
-        "monte_carlo" (estimate; needs C >= 0).
+      method: None (default: the tightest proven bound that applies: for orthogonal bins, e.g.
+        the identity strategy, the allocation PLD and the amplified bound together; else
+        "amplified" when C >= 0 entrywise; else "rigorous"), "rigorous" (proven, unamplified),
+        "amplified" (proven, amplified: Renyi and direct hockey-stick bounds; needs C >= 0; "rdp"
+        is an alias), "allocation_pld" (proven: the random-allocation PLD; needs orthogonal
+        bins) or "monte_carlo" (estimate; needs C >= 0).
       num_samples, seed, confidence: Monte Carlo only. seed is required; num_samples
         defaults to 100_000 (rounded up to a multiple of num_bins), confidence to 0.95.
 
@@ -145,11 +157,18 @@ def balls_in_bins(
     max_participations = -(-n_steps // num_bins)
     rigorous = BallsInBins(inner.bind(n_steps, num_bins, max_participations), num_bins, n_steps)
     if method is None:
-        method = "amplified" if has_non_negative_entries(rigorous) else "rigorous"
+        if not has_non_negative_entries(rigorous):
+            return rigorous
+        amplified = rdp_allocation(rigorous)
+        if orthogonal_bins(rigorous.mechanism.toeplitz_coefficients(n_steps), num_bins):
+            return allocation_pld(rigorous, amplified)
+        return amplified
     if method == "rigorous":
         return rigorous
     if method == "amplified":
         return rdp_allocation(rigorous)
+    if method == "allocation_pld":
+        return allocation_pld(rigorous)
     return monte_carlo(
         rigorous,
         num_samples=100_000 if num_samples is None else num_samples,
