@@ -10,7 +10,10 @@
 #   python -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux2014_x86_64 \
 #     -d .whl optree==0.20.0 dp-accounting==0.6.0 dm-tree==0.1.10
-# and call the device tool with carry [".whl"] and the command: bash benchmarks/device_check.sh
+# The fine-tuning benchmark (benchmarks/finetune_step.py) also needs transformers and peft with
+# their dependencies (accelerate, huggingface-hub, tokenizers, safetensors, regex, pyyaml, tqdm,
+# ...) in .whl/; without them it prints "skipped" and the rest of the check runs as before.
+# Then call the device tool with carry [".whl"] and the command: bash benchmarks/device_check.sh
 set -u
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -25,4 +28,5 @@ python3 -m pytest -q -p no:cacheprovider tests/test_engine_devices.py tests/test
   tests/test_engine_state.py tests/test_engine_errors.py tests/test_engine_streaming.py 2>&1 | tee "$OUT/tests.txt"
 tests_status=${PIPESTATUS[0]}
 python3 benchmarks/noise_engine.py --device cuda --peers none 2>&1 | grep -v USDT | tee "$OUT/bench.txt"
+python3 benchmarks/finetune_step.py --device cuda --peers none 2>&1 | grep -v USDT | tee "$OUT/finetune.txt"
 exit "$tests_status"

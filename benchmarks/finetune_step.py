@@ -1,0 +1,591 @@
+"""The DP fine-tuning step of tiny Hugging Face models against the non-private step, in one run.
+
+For each model (built from a config: nothing is downloaded), in one process, one training step
+``zero_grad(); loss.backward(); step()`` with AdamW:
+
+- ``gpt2``: GPT-2 (``GPT2LMHeadModel``, 4 layers, width 128, 4 heads, vocabulary 2048, tied
+  input and output embeddings), every parameter trained;
+- ``gpt2-lora``: the same GPT-2 with PEFT LoRA (rank 8 on ``c_attn`` and both ``c_proj``), only
+  the adapters trained;
+- ``llama``: ``LlamaForCausalLM`` (4 layers, width 128, MLP 352, vocabulary 2048), every
+  parameter trained;
+
+sequence 64, batch 16 (``--quick``: 2 layers, sequence 32, batch 8). The DP step goes through
+``opake.torch.make_private`` (per-example clipping in backward, BLT noise in ``step``) and is fed
+by ``private.run_data_loader()`` (balls in bins: the batch sizes vary around the nominal one,
+and ``step()`` refuses batches the planned loader did not serve); the
+non-private step of an identical copy of the model, with the same AdamW, takes the same batch
+right before or after it (the order alternates, so a burst of load elsewhere slows both sides).
+The loss is the sum over examples of each example's token-mean cross-entropy, computed from the
+logits (``loss_reduction="sum"``); Hugging Face's ``outputs.loss`` divides by the batch's token
+count, which couples the examples and is not a valid DP loss.
+
+Throughput: best of ``--repeats`` (15) of the time per example, times the nominal batch size
+(so steps of different sizes compare), on each side; ratio = non-private / DP time (throughput
+ratio), from the wall clock, and beside it the same from process CPU time (with one thread, less
+moved by other work on a shared machine) and the median of the per-batch wall ratios.
+
+Memory, in a fresh subprocess per configuration (so one model's tensors never count in
+another's), both DP against non-private on batches of the same sizes:
+
+- ``peak``: the peak of torch's live tensors over two steady-state steps (after two warm-up
+  steps), counted from before the dataset and model were built: weights, gradients, AdamW
+  state, the noise buffers, activations and the clipper's tensors. This is the targets'
+  measure. On CPU it comes from the profiler's ordered record of every allocation and release
+  (``LiveMemory``); on CUDA from ``torch.cuda.max_memory_allocated``. The peak resident set was
+  tried and rejected: in a fresh process the first steps touch about 150 MiB of library code
+  pages and allocator state, which dwarfs these models' 15-60 MiB of tensors and moves by
+  more than the difference being measured.
+- ``step``: the peak of one step's live tensors above those live when it began (what
+  ``training_step.py`` reports), which leaves out weights, optimizer state and noise buffers.
+
+Targets (issue 18): GPT-2 full fine-tuning >= 0.8x throughput and <= 1.3x peak memory; LoRA
+>= 0.9x throughput. Opacus 1.6 runs the same models and loss when ``../peer-opacus`` (or
+``$OPAKE_PEER_OPACUS``) holds it with transformers and peft, through ``peers/opacus_finetune.py``
+in that interpreter (never imported), which times Opacus' DP step against a non-private copy
+alternating in its own process (that ratio is the comparable one; ours against its time is
+printed too but moves with the load of another moment). ``--profile`` breaks the DP step down
+(forward, backward, the clipping passes by layer type and rule method, noise, AdamW, in process
+CPU time; the profiler's top operators and allocations; what the clipper holds).
+
+    python benchmarks/finetune_step.py                  # all three models, peers if installed
+    python benchmarks/finetune_step.py --quick --peers none
+    python benchmarks/finetune_step.py --profile --models gpt2
+    python benchmarks/finetune_step.py --device cuda --peers none
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parent
+PEER_OPACUS = Path(os.environ.get("OPAKE_PEER_OPACUS", ROOT.parent.parent / "peer-opacus"))
+MODELS = ("gpt2", "gpt2-lora", "llama")
+# name -> (throughput ratio at least, peak-memory ratio at most); None: no target.
+TARGETS = {"gpt2": (0.8, 1.3), "gpt2-lora": (0.9, None), "llama": (None, None)}
+VOCABULARY = 2048
+BINS = 4  # dataset = BINS nominal batches: one epoch of balls in bins is BINS steps
+WARMUP = 2  # the first DP step also checks the hooks' coverage (autograd's weight gradients)
+
+
+def sizes(quick: bool) -> dict:
+    """Model and batch sizes; one full-size step takes 50-500 ms on one thread of this machine."""
+    if quick:
+        return {"layers": 2, "width": 128, "heads": 4, "sequence": 32, "batch": 8}
+    return {"layers": 4, "width": 128, "heads": 4, "sequence": 64, "batch": 16}
+
+
+def build_model(name: str, quick: bool):
+    """The model ``name`` with weights from ``torch.manual_seed(0)``, built from its config."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()  # the tiny vocabulary does not hold GPT-2's token ids
+    s = sizes(quick)
+    torch.manual_seed(0)
+    if name in ("gpt2", "gpt2-lora"):
+        config = transformers.GPT2Config(n_layer=s["layers"], n_embd=s["width"], n_head=s["heads"],
+                                         vocab_size=VOCABULARY, n_positions=128, bos_token_id=0, eos_token_id=0)
+        model = transformers.GPT2LMHeadModel(config)
+        if name == "gpt2-lora":
+            import peft
+
+            lora = peft.LoraConfig(r=8, lora_alpha=16, target_modules=["c_attn", "c_proj"], fan_in_fan_out=True)
+            model = peft.get_peft_model(model, lora)
+    elif name == "llama":
+        config = transformers.LlamaConfig(num_hidden_layers=s["layers"], hidden_size=s["width"],
+                                          intermediate_size=int(2.75 * s["width"]), num_attention_heads=s["heads"],
+                                          num_key_value_heads=s["heads"], vocab_size=VOCABULARY,
+                                          max_position_embeddings=128, bos_token_id=0, eos_token_id=0)
+        model = transformers.LlamaForCausalLM(config)
+    else:
+        raise ValueError(f"unknown model {name!r}; choose from {MODELS}")
+    return model.train()
+
+
+def token_data(quick: bool) -> torch.utils.data.TensorDataset:
+    """BINS nominal batches of random token sequences (one tensor: the inputs are the targets)."""
+    s = sizes(quick)
+    generator = torch.Generator().manual_seed(0)
+    return torch.utils.data.TensorDataset(
+        torch.randint(0, VOCABULARY, (BINS * s["batch"], s["sequence"]), generator=generator))
+
+
+def per_example_loss(model, tokens: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Sum over the examples of each one's mean next-token cross-entropy (a valid DP sum loss)."""
+    extra = {} if position_ids is None else {"position_ids": position_ids}
+    logits = model(input_ids=tokens, **extra).logits[:, :-1]
+    targets = tokens[:, 1:]
+    token_losses = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none")
+    return token_losses.view(targets.shape).mean(dim=1).sum()
+
+
+def trainable(model) -> list:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def adamw(model):
+    return torch.optim.AdamW(trainable(model), lr=1e-4)
+
+
+def make_run(model, dataset, quick: bool, steps: int):
+    """``make_private`` over ``model`` with AdamW, planned for at least ``steps`` steps.
+
+    The unamplified accountant (``amplification=False``): the step is the same either way, and
+    its epsilon takes milliseconds where the amplified bound takes about a second.
+    """
+    from opake.random import key
+    from opake.torch import make_private
+
+    return make_private(module=model, optimizer=adamw(model), dataset=dataset, batch_size=sizes(quick)["batch"],
+                        epochs=math.ceil(steps / BINS) + 1, noise_multiplier=1.0, target_delta=1e-5,
+                        max_grad_norm=1.0, key=key(0), loss_reduction="sum", amplification=False)
+
+
+def private_batches(private):
+    """The DP run's batches, from the loader ``step()`` accepts (``run_data_loader()`` if there is one)."""
+    loader = private.run_data_loader() if callable(getattr(private, "run_data_loader", None)) else private.data_loader
+    for batch in loader:
+        yield batch[0] if isinstance(batch, (list, tuple)) else batch
+
+
+def step_function(model, optimizer, sync):
+    def step(tokens):
+        optimizer.zero_grad()
+        per_example_loss(model, tokens).backward()
+        optimizer.step()
+        sync()
+
+    return step
+
+
+def _sync(device: str):
+    return torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+
+
+# -- memory ----------------------------------------------------------------------------------
+
+
+class LiveMemory:
+    """Torch's live tensor bytes, counted from ``__enter__``: the peak over the steps run through
+    ``step()``, and each such step's rise above what was live when it began.
+
+    CPU: the profiler's ordered record of every allocation and release (torch's CPU allocator is
+    invisible to tracemalloc); each measured step is a ``record_function`` window. CUDA: the
+    caching allocator's ``memory_allocated`` / ``max_memory_allocated``.
+    """
+
+    WINDOW = "finetune_step.measured"
+
+    def __init__(self, device: str = "cpu"):
+        self.cuda = device.startswith("cuda")
+        self.peak = self.step_peak = 0
+
+    def __enter__(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+            self._base = torch.cuda.memory_allocated()
+        else:
+            from torch.profiler import ProfilerActivity, profile
+
+            self._profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+            self._profiler.__enter__()
+        return self
+
+    def step(self, function) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            start = torch.cuda.memory_allocated()
+            function()
+            torch.cuda.synchronize()
+            top = torch.cuda.max_memory_allocated()
+            self.peak, self.step_peak = max(self.peak, top - self._base), max(self.step_peak, top - start)
+        else:
+            with torch.profiler.record_function(self.WINDOW):
+                function()
+
+    def __exit__(self, *exc):
+        if self.cuda:
+            return False
+        self._profiler.__exit__(*exc)
+        events = list(self._profiler.profiler.kineto_results.events())
+        windows = sorted((e.start_ns(), e.start_ns() + e.duration_ns()) for e in events if e.name() == self.WINDOW)
+        memory = sorted(((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]"))
+        live, index = 0, 0
+        for begin, end in windows:
+            while index < len(memory) and memory[index][0] < begin:
+                live += memory[index][1]
+                index += 1
+            at_start = top = live
+            while index < len(memory) and memory[index][0] <= end:
+                live += memory[index][1]
+                top = max(top, live)
+                index += 1
+            self.peak, self.step_peak = max(self.peak, top), max(self.step_peak, top - at_start)
+        return False
+
+
+def memory_worker(name: str, mode: str, quick: bool, device: str, batch_sizes: list[int]) -> dict:
+    """One configuration in a fresh process: its peak of live tensors and one step's rise.
+
+    Everything from the dataset on is counted (the model, AdamW state, noise buffers). After
+    WARMUP steps two steps are measured. ``dp`` iterates the private loader and reports the
+    sizes of the measured batches; ``plain`` runs batches of the sizes given (the DP worker's).
+    """
+    sync = _sync(device)
+    with LiveMemory(device) as meter:
+        dataset = token_data(quick)
+        tokens = dataset.tensors[0]
+        model = build_model(name, quick).to(device)
+        if mode == "dp":
+            private = make_run(model, dataset, quick, WARMUP + 2)
+            step = step_function(model, private.optimizer, sync)
+            batches = private_batches(private)
+        else:
+            step = step_function(model, adamw(model), sync)
+            nominal = sizes(quick)["batch"]
+            batches = iter([tokens[:nominal]] * WARMUP + [tokens[:n] for n in batch_sizes])
+        for _ in range(WARMUP):
+            step(next(batches).to(device))
+        measured = []
+        for _ in range(2):  # one batch at a time: a DP step must take the batch served last
+            measured.append(next(batches).to(device))
+            meter.step(lambda: step(measured[-1]))
+    result = {"peak": meter.peak, "step": meter.step_peak, "sizes": [len(batch) for batch in measured],
+              "parameters": sum(p.numel() * p.element_size() for p in trainable(model))}
+    if mode == "dp":
+        buffers = private.optimizer.noise_state.buffers
+        result["noise_buffers"] = buffers.numel() * buffers.element_size()
+    return result
+
+
+def run_memory_worker(name: str, mode: str, args, batch_sizes=()) -> dict:
+    command = [sys.executable, __file__, "--memory-worker", name, mode, "--threads", str(args.threads),
+               "--device", args.device, "--sizes", ",".join(map(str, batch_sizes))]
+    if args.quick:
+        command.append("--quick")
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=ROOT.parent)
+    if done.returncode != 0:
+        return {"error": (done.stderr.strip().splitlines() or ["no output"])[-1]}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+# -- throughput ------------------------------------------------------------------------------
+
+
+def time_model(name: str, quick: bool, repeats: int, device: str) -> dict:
+    """DP and non-private steps on the same batches, alternating; per-example best and ratios."""
+    sync = _sync(device)
+    dataset = token_data(quick)
+    dp_model = build_model(name, quick).to(device)
+    plain_model = copy.deepcopy(dp_model)
+    private = make_run(dp_model, dataset, quick, WARMUP + repeats)
+    dp_step = step_function(dp_model, private.optimizer, sync)
+    plain_step = step_function(plain_model, adamw(plain_model), sync)
+    pairs = []  # (examples, {side: wall seconds}, {side: CPU seconds})
+    for index, batch in enumerate(private_batches(private)):
+        if index == WARMUP + repeats:
+            break
+        batch = batch.to(device)
+        wall, cpu = {}, {}
+        for side in (("dp", "plain") if index % 2 == 0 else ("plain", "dp")):
+            start, start_cpu = time.perf_counter(), time.process_time()
+            (dp_step if side == "dp" else plain_step)(batch)
+            wall[side], cpu[side] = time.perf_counter() - start, time.process_time() - start_cpu
+        if index >= WARMUP and len(batch):
+            pairs.append((len(batch), wall, cpu))
+    nominal = sizes(quick)["batch"]
+
+    def best(clock: int, side: str) -> float:
+        return min(pair[clock][side] / pair[0] for pair in pairs) * nominal
+
+    return {"plain_s": best(1, "plain"), "dp_s": best(1, "dp"), "ratio": best(1, "plain") / best(1, "dp"),
+            "cpu_ratio": best(2, "plain") / best(2, "dp"),
+            "median_ratio": statistics.median(wall["plain"] / wall["dp"] for _, wall, _ in pairs),
+            "sizes": [pair[0] for pair in pairs], "noise_multiplier": private.noise_multiplier}
+
+
+def run_opacus(name: str, args, batch_sizes=()) -> dict | None:
+    python = PEER_OPACUS / "bin" / "python"
+    if not python.exists():
+        return None
+    command = [str(python), str(ROOT / "peers" / "opacus_finetune.py"), name, "--repeats", str(args.repeats),
+               "--threads", str(args.threads), "--sizes", ",".join(map(str, batch_sizes))] + \
+        (["--quick"] if args.quick else [])
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=1200, cwd=ROOT.parent)
+        return json.loads(done.stdout.strip().splitlines()[-1])
+    except (subprocess.TimeoutExpired, json.JSONDecodeError, IndexError) as error:
+        tail = (done.stderr.strip().splitlines() or [""])[-1] if "done" in locals() else ""
+        return {"error": f"{type(error).__name__} {tail}"}
+
+
+# -- profile ---------------------------------------------------------------------------------
+
+
+class _Timer:
+    """Wraps callables (restored by ``restore``) and adds up their wall time under a label, and
+    the bytes ``size(args, result)`` says they hold (``sizes``, the largest call's)."""
+
+    def __init__(self):
+        self.totals: dict[str, float] = {}
+        self.sizes: dict[str, int] = {}
+        self._undo = []
+
+    def wrap(self, owner, attribute: str, label, size=None):
+        original = getattr(owner, attribute)
+        totals, sizes_held = self.totals, self.sizes
+
+        def timed(*args, **kwargs):
+            start = time.process_time()
+            key = label(args) if callable(label) else label
+            try:
+                result = original(*args, **kwargs)
+                if size is not None:
+                    sizes_held[key] = max(sizes_held.get(key, 0), size(args, result))
+                return result
+            finally:
+                totals[key] = totals.get(key, 0.0) + time.process_time() - start
+
+        instance_attribute = attribute in vars(owner) if not isinstance(owner, type(sys)) else True
+        self._undo.append((owner, attribute, original, instance_attribute))
+        setattr(owner, attribute, timed)
+
+    def restore(self):
+        for owner, attribute, original, instance_attribute in reversed(self._undo):
+            if instance_attribute:
+                setattr(owner, attribute, original)
+            else:
+                delattr(owner, attribute)
+        self._undo = []
+
+
+def _dict_bytes(args, result) -> int:
+    return sum(t.numel() * t.element_size() for t in result.values())
+
+
+def _held_gradient_bytes(args, result) -> int:
+    """Bytes of the output gradients that the hooks kept for ``clip_forward_pass(calls, ...)``."""
+    return sum(g.numel() * g.element_size() for call in args[0] for g in call.grads if g is not None)
+
+
+def profile_model(name: str, quick: bool, repeats: int) -> None:
+    """Where the DP step's extra time and memory go, against the non-private step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    import opake.torch.per_example.clipper as clipper_module
+    from opake.torch.per_example.rules import rule_for
+
+    dataset = token_data(quick)
+    dp_model = build_model(name, quick)
+    plain_model = copy.deepcopy(dp_model)
+    private = make_run(dp_model, dataset, quick, WARMUP + repeats + 2)
+    plain_optimizer = adamw(plain_model)
+    batches = private_batches(private)
+    for _ in range(WARMUP):
+        batch = next(batches)
+        step_function(dp_model, private.optimizer, lambda: None)(batch)
+        step_function(plain_model, plain_optimizer, lambda: None)(batch)
+
+    timer = _Timer()
+    rules = {id(rule): rule for rule in map(rule_for, dp_model.modules())}.values()
+    for rule in rules:
+        for method in ("store", "squared_norms", "clipped_sums", "per_example_grads"):
+            size = _dict_bytes if method == "per_example_grads" else None
+            timer.wrap(rule, method, lambda args, m=method: f"{type(args[0]).__name__}.{m}", size)
+    timer.wrap(clipper_module, "clip_forward_pass", "clipping passes (all)", _held_gradient_bytes)
+    timer.wrap(private.optimizer, "noise_fn", "noise (noise_fn)")
+    timer.wrap(private.optimizer.clipper, "clipped_sum", "clipped_sum() copy")
+    timer.wrap(private.optimizer.original_optimizer, "step", "AdamW step")
+    phases = {"dp": {}, "plain": {}}
+    parts: dict[str, float] = {}  # best of the repeats for each wrapped part, as for the phases
+    try:
+        for _ in range(repeats):
+            batch = next(batches)
+            scale = sizes(quick)["batch"] / len(batch)  # per nominal batch, as the main table
+            for side, model, optimizer in (("dp", dp_model, private.optimizer),
+                                           ("plain", plain_model, plain_optimizer)):
+                timer.totals.clear()
+                optimizer.zero_grad()
+                t0 = time.process_time()
+                loss = per_example_loss(model, batch)
+                t1 = time.process_time()
+                loss.backward()
+                t2 = time.process_time()
+                optimizer.step()
+                t3 = time.process_time()
+                for phase, seconds in (("forward", t1 - t0), ("backward", t2 - t1), ("step", t3 - t2),
+                                       ("total", t3 - t0)):
+                    phases[side][phase] = min(phases[side].get(phase, math.inf), seconds * scale)
+                if side == "dp":
+                    for part, seconds in timer.totals.items():
+                        parts[part] = min(parts.get(part, math.inf), seconds * scale)
+    finally:
+        timer.restore()
+    print(f"\nprofile of {name} (best of {repeats}; process CPU time, less moved by other load than the wall "
+          f"clock; ms per nominal batch of {sizes(quick)['batch']}):")
+    for phase in ("forward", "backward", "step", "total"):
+        plain, dp = phases["plain"][phase] * 1e3, phases["dp"][phase] * 1e3
+        print(f"  {phase:<10} plain {plain:8.1f}  dp {dp:8.1f}  extra {dp - plain:+8.1f}")
+    print("  inside the DP step (ms, each part's best): " + "; ".join(
+        f"{k} {v * 1e3:.1f}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1])))
+
+    batch = next(batches)
+    for side, model, optimizer in (("dp", dp_model, private.optimizer), ("plain", plain_model, plain_optimizer)):
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
+            step_function(model, optimizer, lambda: None)(batch)
+        averages = profiler.key_averages()
+        top = sorted(averages, key=lambda e: -e.self_cpu_time_total)[:12]
+        print(f"  {side} step, top operators by self CPU time (ms): " + "; ".join(
+            f"{e.key} {e.self_cpu_time_total / 1e3:.1f}" for e in top))
+        allocators = sorted(averages, key=lambda e: -e.self_cpu_memory_usage)[:8]
+        print(f"  {side} step, top operators by bytes allocated (MiB, net of frees): " + "; ".join(
+            f"{e.key} {e.self_cpu_memory_usage / 2**20:.1f}" for e in allocators))
+    print("  held by the clipper for its passes (MiB): " + "; ".join(
+        f"{'output gradients of the hooked calls' if k.startswith('clipping') else k + ' (materialized)'} "
+        f"{v / 2**20:.1f}" for k, v in sorted(timer.sizes.items(), key=lambda kv: -kv[1])))
+    noise = private.optimizer.noise_state.buffers
+    params = sum(p.numel() for p in trainable(dp_model))
+    print(f"  held between steps: parameters {params * 4 / 2**20:.1f} MiB, AdamW state {2 * params * 4 / 2**20:.1f} "
+          f"MiB, noise buffers {noise.numel() * noise.element_size() / 2**20:.1f} MiB ({noise.shape[0]} buffers)")
+
+
+# -- report ----------------------------------------------------------------------------------
+
+
+def _ratio_text(value, floor=None, ceiling=None) -> str:
+    if value is None:
+        return "-"
+    mark = ""
+    if floor is not None:
+        mark = " ok" if value >= floor else " MISS"
+    if ceiling is not None:
+        mark = " ok" if value <= ceiling else " MISS"
+    return f"{value:.2f}{mark}"
+
+
+def _mib(value: int) -> str:
+    return f"{value / 2**20:.1f}"
+
+
+def print_tables(results: dict, s: dict, args) -> None:
+    cuda = args.device.startswith("cuda")
+    print(f"{s['layers']} layers, width {s['width']}, sequence {s['sequence']}, batch {s['batch']} (the DP batches "
+          f"vary: balls in bins; the non-private step takes the same ones), AdamW, loss: sum of the examples' "
+          f"token means; device {args.device}, threads {args.threads}, best of {args.repeats}")
+    print("\nThroughput. ms: best time per example x the nominal batch (wall clock); ratio = non-private / DP time "
+          "(wall; 'CPU': the same from process CPU time, less moved by other load; 'median': of the per-batch "
+          "wall ratios). Opacus, in its own process on fixed batches: its DP step's time, its ratio to the "
+          "non-private step timed alternating with it there, and 'vs us': our non-private time / its DP time")
+    print(f"{'model':<10} {'plain ms':>8} {'DP ms':>8} {'plain/s':>7} {'DP/s':>6} {'ratio':>10} {'CPU':>5} "
+          f"{'median':>6} | {'Opacus ms':>9} {'ratio':>6} {'vs us':>6}")
+    for name, result in results.items():
+        if "error" in result:
+            print(f"{name:<10} DP step failed: {result['error'][:400]}")
+            continue
+        timing, peer = result["timing"], result["opacus"]
+        floor = TARGETS.get(name, (None, None))[0]
+        if peer is None:
+            peer_text = f"{'-':>9} {'-':>6} {'-':>6}"
+        elif "error" in peer:
+            peer_text = f"failed: {peer['error'][:300]}"
+        else:
+            peer_text = (f"{peer['seconds'] * 1e3:>9.1f} {peer['plain_seconds'] / peer['seconds']:>6.2f} "
+                         f"{timing['plain_s'] / peer['seconds']:>6.2f}")
+        print(f"{name:<10} {timing['plain_s'] * 1e3:>8.1f} {timing['dp_s'] * 1e3:>8.1f} {1 / timing['plain_s']:>7.2f} "
+              f"{1 / timing['dp_s']:>6.2f} {_ratio_text(timing['ratio'], floor=floor):>10} "
+              f"{timing['cpu_ratio']:>5.2f} {timing['median_ratio']:>6.2f} | {peer_text}")
+    print("\nMemory, fresh process per configuration. peak: torch's live tensors over 2 steady-state steps, counted "
+          "from before the model (" + ("torch.cuda.max_memory_allocated" if cuda else
+                                       "the profiler's record of every allocation and release")
+          + "): weights, gradients, AdamW state, noise buffers, activations, the clipper's tensors. step: one "
+          "step's rise above what was live at its start. MiB")
+    print(f"{'model':<10} {'plain':>7} {'DP':>7} {'ratio':>10} | {'step':>7} {'DP step':>7} {'ratio':>5} | "
+          f"{'noise buffers':>13} {'params':>7} | {'Opacus':>7} {'step':>7}")
+    for name, result in results.items():
+        if "error" in result:
+            continue
+        dp, plain, peer = result["dp_memory"], result["plain_memory"], result["opacus"]
+        if "error" in dp or "error" in plain:
+            print(f"{name:<10} memory worker failed: {dp.get('error') or plain.get('error')}")
+            continue
+        ceiling = TARGETS.get(name, (None, None))[1]
+        peer_text = f"{_mib(peer['peak']):>7} {_mib(peer['step']):>7}" if peer and "error" not in peer else \
+            f"{'-':>7} {'-':>7}"
+        print(f"{name:<10} {_mib(plain['peak']):>7} {_mib(dp['peak']):>7} "
+              f"{_ratio_text(dp['peak'] / plain['peak'], ceiling=ceiling):>10} | {_mib(plain['step']):>7} "
+              f"{_mib(dp['step']):>7} {dp['step'] / plain['step']:>5.2f} | {_mib(dp['noise_buffers']):>13} "
+              f"{_mib(dp['parameters']):>7} | {peer_text}")
+    notes = {note for result in results.values() for note in ((result.get("opacus") or {}).get("notes") or [])}
+    for note in sorted(notes):
+        print(f"Opacus: {note}")
+    print("targets (issue 18): gpt2 throughput >= 0.8 and peak memory <= 1.3; gpt2-lora throughput >= 0.9")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="2 layers, sequence 32, batch 8, 3 repeats")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=None, help="timed steps per side (default 15; quick 3)")
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--peers", choices=("opacus", "none"), default="opacus")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--profile", action="store_true", help="break the DP step down instead")
+    parser.add_argument("--memory-worker", nargs=2, metavar=("MODEL", "MODE"), help=argparse.SUPPRESS)
+    parser.add_argument("--sizes", default="", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    args.repeats = args.repeats or (3 if args.quick else 15)
+    if args.memory_worker:
+        name, mode = args.memory_worker
+        batch_sizes = [int(n) for n in args.sizes.split(",") if n]
+        print(json.dumps(memory_worker(name, mode, args.quick, args.device, batch_sizes)))
+        return 0
+    try:
+        import peft  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError as error:
+        print(f"skipped: {error} (pip install transformers peft, or opake[transformers])")
+        return 0
+    models = [m for m in args.models.split(",") if m]
+    if args.profile:
+        for name in models:
+            profile_model(name, args.quick, args.repeats)
+        return 0
+    s = sizes(args.quick)
+    cuda = args.device.startswith("cuda")
+    results = {}
+    for name in models:
+        began = time.perf_counter()
+        try:
+            timing = time_model(name, args.quick, args.repeats, args.device)
+        except Exception as error:  # report and go on: another model may still run
+            results[name] = {"error": f"{type(error).__name__}: {error}"}
+            continue
+        dp_memory = run_memory_worker(name, "dp", args)
+        plain_memory = run_memory_worker(name, "plain", args, dp_memory.get("sizes", [s["batch"]] * 2))
+        peer = run_opacus(name, args, dp_memory.get("sizes", ())) if args.peers == "opacus" and not cuda else None
+        results[name] = {"timing": timing, "dp_memory": dp_memory, "plain_memory": plain_memory, "opacus": peer}
+        print(f"[{name} measured in {time.perf_counter() - began:.0f} s]", file=sys.stderr, flush=True)
+    print_tables(results, s, args)
+    out = ROOT / "out"
+    out.mkdir(exist_ok=True)
+    (out / f"finetune_step{'_quick' if args.quick else ''}_{args.device.split(':')[0]}.json").write_text(
+        json.dumps({"sizes": s, "threads": args.threads, "repeats": args.repeats, "results": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
