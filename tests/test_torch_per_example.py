@@ -20,6 +20,8 @@ from opake.torch.per_example import (
     UnsupportedModuleError,
 )
 from opake.torch.per_example.rules import conv as conv_rules
+from opake.torch.per_example.rules import embedding as embedding_rules
+from opake.torch.per_example.rules import linear as linear_rules
 from tests.torch_per_example_support import (
     assert_sums_close,
     check_against_reference,
@@ -53,12 +55,49 @@ def _targets_like(model, inputs, seed=1):
     reduction=st.sampled_from(["mean", "sum"]),
 )
 def test_linear_matches_reference(batch, length, width_in, width_out, bias, reduction):
-    # length 7 with small widths takes the materialized branch (T^2 >= in*out), the others ghost.
+    # length None/1: the outer-product norms; 2 and 7 take the ghost or the direct route by widths.
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(width_in, width_out, bias=bias), nn.Tanh()).to(F64)
     shape = (batch, width_in) if length is None else (batch, length, width_in)
     inputs = torch.randn(shape, dtype=F64)
     check_against_reference(model, inputs, _targets_like(model, inputs), loss_reduction=reduction)
+
+
+@pytest.mark.parametrize("route", ["ghost", "direct"])
+@pytest.mark.parametrize("kept", [False, True])
+@pytest.mark.parametrize("shape", [(3, 4, 5, 2), (1, 6, 2, 3), (4, 2, 3, 3)])
+def test_linear_routes_match_reference(shape, route, kept):
+    # Each route forced on every shape, its per-example gradients kept for the sum pass or not,
+    # with chunks of one example.
+    batch, length, width_in, width_out = shape
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(width_in, width_out), nn.Tanh()).to(F64)
+    inputs = torch.randn(batch, length, width_in, dtype=F64)
+    with (
+        mock.patch.object(linear_rules, "_weight_route", lambda stored, grad: route),
+        mock.patch.object(linear_rules, "example_chunks",
+                          lambda count, size: (slice(i, i + 1) for i in range(count))),
+        mock.patch.object(linear_rules.LinearRule, "materialized",
+                          lambda self, module, stored, grads, names: names if kept else ()),
+    ):
+        check_against_reference(model, inputs, _targets_like(model, inputs))
+
+
+@pytest.mark.parametrize(
+    ("length", "width_in", "width_out", "route"),
+    [
+        (1, 64, 64, "outer"),
+        (32, 32, 96, "direct"),  # tiny GPT-2's c_attn: 32 x 128 >= 3072
+        (9, 32, 96, "ghost"),  # 9 x 128 < 3072
+        (128, 768, 768, "ghost"),  # 128 x 1536 < 768^2
+        (1024, 768, 3072, "direct"),  # 1024 x 3840 >= 768 x 3072
+    ],
+)
+def test_linear_route_is_chosen_by_multiply_adds(length, width_in, width_out, route):
+    stored, grad = torch.zeros(2, length, width_in), torch.zeros(2, length, width_out)
+    assert linear_rules._weight_route(stored, grad) == route
+    offered = linear_rules.RULE.materialized(None, stored, [grad], ("weight", "bias"))
+    assert offered == (("bias", "weight") if route == "direct" else ("bias",))
 
 
 @given(
@@ -199,6 +238,17 @@ def test_embedding_with_repeated_and_padding_tokens(padding_idx, token_shape):
     check_against_reference(model, tokens, _targets_like(model, tokens))
 
 
+@pytest.mark.parametrize(
+    ("table", "length", "offered"),
+    [((32, 32), 32, True), ((50257, 768), 128, False), ((5, 3), 6, True), ((5, 3), 1, False)],
+)
+def test_embedding_small_tables_are_formed_per_example(table, length, offered):
+    # vocab x dim against T^2 (dim + 1): GPT-2's position table at its length, not its tokens.
+    layer = nn.Embedding(*table, device="meta")
+    tokens = torch.zeros(2, length, dtype=torch.long)
+    assert embedding_rules.RULE.materialized(layer, tokens, [None], ("weight",)) == (("weight",) if offered else ())
+
+
 @pytest.mark.parametrize("normalized_shape", [(4,), (3, 4)])
 def test_layer_norm(normalized_shape):
     torch.manual_seed(0)
@@ -255,6 +305,17 @@ def test_fallback_multihead_attention(causal_mask, padding_mask):
     check_against_reference(model, inputs, _targets_like(model, inputs))
 
 
+@pytest.mark.parametrize("normalized_shape,eps", [((4,), None), ((3, 4), 1e-5)])
+def test_rms_norm(normalized_shape, eps):
+    torch.manual_seed(0)
+    norm = nn.RMSNorm(normalized_shape, eps=eps)
+    with torch.no_grad():
+        norm.weight.normal_()
+    model = nn.Sequential(nn.Linear(4, 4), norm, nn.Tanh()).to(F64)
+    inputs = torch.randn(5, 2, 3, 4, dtype=F64)
+    check_against_reference(model, inputs, _targets_like(model, inputs))
+
+
 # Models --------------------------------------------------------------------------------------
 
 
@@ -291,8 +352,9 @@ def test_small_cnn_float32_against_float64_truth(reduction):
 class _TinyTransformer(nn.Module):
     """Token and position embeddings, causal attention from Linear layers, an MLP, a head."""
 
-    def __init__(self, vocabulary=7, width=8, length=5, tie=False):
+    def __init__(self, vocabulary=7, width=8, length=5, tie=False, shared_positions=False):
         super().__init__()
+        self.shared_positions = shared_positions  # positions of shape (1, T), as Hugging Face models pass
         self.tokens = nn.Embedding(vocabulary, width, padding_idx=0)
         self.positions = nn.Embedding(length, width)
         self.norm1 = nn.LayerNorm(width)
@@ -306,7 +368,10 @@ class _TinyTransformer(nn.Module):
 
     def forward(self, tokens):
         length = tokens.shape[1]
-        h = self.tokens(tokens) + self.positions(torch.arange(length)).unsqueeze(0)
+        if self.shared_positions:
+            h = self.tokens(tokens) + self.positions(torch.arange(length)[None])
+        else:
+            h = self.tokens(tokens) + self.positions(torch.arange(length)).unsqueeze(0)
         x = self.norm1(h)
         scores = self.query(x) @ self.key(x).transpose(1, 2) / x.shape[-1] ** 0.5
         scores = scores.masked_fill(torch.triu(torch.ones(length, length, dtype=torch.bool), 1), float("-inf"))
@@ -335,9 +400,37 @@ def test_positions_embedding_without_batch_dimension_is_refused():
     model = _TinyTransformer().to(F64)
     clipper = PerExampleClipper(model, 1.0)
     tokens = torch.randint(0, 7, (4, 5))
-    with pytest.raises(BatchDimensionError, match=r"'positions'.*leading dimension of 5.*batch size 4"):
+    with pytest.raises(BatchDimensionError, match=r"'positions'.*leading dimension of 5.*batch size 4.*shape \(1, T\)"):
         _next_token_loss(model(tokens), tokens).mean().backward()
     clipper.remove()
+
+
+@pytest.mark.parametrize("tie", [False, True])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_shared_position_indices_are_expanded_to_the_batch(tie, reduction):
+    # Positions of shape (1, T), broadcast against the tokens: the Embedding's input is expanded
+    # to the batch, so its output gradient is per example and the positions weight is clipped too.
+    torch.manual_seed(0)
+    model = _TinyTransformer(tie=tie, shared_positions=True).to(F64)
+    tokens = torch.randint(0, 7, (4, 5), generator=_seeded(4))
+    check_against_reference(model, tokens, tokens, loss=_next_token_loss, loss_reduction=reduction)
+
+
+def test_a_batch_of_one_through_another_layer_is_refused_with_the_fix():
+    class SharedBias(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("table", torch.randn(1, 5, 3))
+            self.project = nn.Linear(3, 3)
+            self.head = nn.Linear(3, 1)
+
+        def forward(self, x):
+            return self.head(x + self.project(self.table))  # (1, 5, 3) broadcast against (B, 5, 3)
+
+    model = SharedBias()
+    PerExampleClipper(model, 1.0)
+    with pytest.raises(BatchDimensionError, match=r"'project' was called on a batch of one.*x\.expand\(4, "):
+        model(torch.randn(4, 5, 3)).sum().backward()
 
 
 def test_tied_weights_are_one_parameter_with_summed_contributions():

@@ -27,11 +27,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
 from opake.dpftrl.clipping import clip_factors
 from opake.torch.per_example.errors import BatchDimensionError, NonFiniteGradientError
 from opake.torch.per_example.model import HookedLayer, describe
+from opake.torch.per_example.rules import tied
 from opake.torch.per_example.rules.base import squared_frobenius
+from opake.torch.per_example.rules.embedding import EmbeddingRule
 
 
 @dataclass(eq=False)
@@ -65,7 +68,7 @@ def sum_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _layer_dtype(layer: HookedLayer) -> torch.dtype:
-    return sum_dtype(layer.module.get_parameter(layer.local_names[0]).dtype)
+    return sum_dtype(layer.parameters[0].dtype)
 
 
 def _factor_dtype(device: torch.device) -> torch.dtype:
@@ -77,11 +80,26 @@ def _common_batch_size(calls: list[LayerCall], expected: int | None) -> int:
     for call in calls:
         if call.batch_size != batch:
             source = "the model's input" if reference_path is None else f"the layer at {describe(reference_path)}"
+            if call.batch_size == 1:
+                raise BatchDimensionError(
+                    f"the layer at {describe(call.layer.path)} was called on a batch of one that the model then "
+                    f"broadcasts against the batch of {batch} of {source} (a tensor shared by all examples, such as "
+                    f"positions of shape (1, T)); in backward its gradient is the sum over the examples, so no "
+                    f"example has a gradient of its own. Expand that input to the batch before the layer "
+                    f"(x.expand({batch}, *x.shape[1:])); an nn.Embedding's indices of batch size one are "
+                    f"expanded automatically"
+                )
+            hint = ""
+            if isinstance(call.layer.module, nn.Embedding):
+                hint = (
+                    "; indices shared by all examples (positions) should have a batch dimension of one, "
+                    "shape (1, T), which the clipper expands to the batch"
+                )
             raise BatchDimensionError(
                 f"the layer at {describe(call.layer.path)} saw a leading dimension of {call.batch_size}, but "
                 f"{source} has batch size {batch}; per-example clipping needs the batch on dimension 0 of "
                 f"every layer's input and output (use batch_first=True layers, and do not fold the batch "
-                f"into another dimension, e.g. (B, T, d) into (B*T, d), before a layer with parameters)"
+                f"into another dimension, e.g. (B, T, d) into (B*T, d), before a layer with parameters){hint}"
             )
     return batch
 
@@ -93,6 +111,31 @@ def _nonfinite(name: str, layer: HookedLayer, squares: torch.Tensor, batch: int)
         f"for example {bad[0]} of this backward pass's {batch} ({len(bad)} such examples). Find the cause "
         f"(learning rate, the loss on that input); this pass was dropped, call reset() to restart the batch"
     )
+
+
+def _total(squared: dict[str, torch.Tensor], device, dtype) -> torch.Tensor:
+    """(B,) sum over parameters of the squared norms, in ``dtype`` (one stack per input dtype)."""
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for squares in squared.values():
+        groups.setdefault((squares.device, squares.dtype), []).append(squares)
+    parts = [torch.stack(group).to(device=device, dtype=dtype).sum(dim=0) for group in groups.values()]
+    return parts[0] if len(parts) == 1 else torch.stack(parts).sum(dim=0)
+
+
+def _tied_squares(held: list[tuple[LayerCall, str]], dtype, own: torch.Tensor | None) -> torch.Tensor:
+    """(B,) squared norms of a tied embedding's gradient: ``own`` (the two layers' own squared
+    norms added, recomputed in ``dtype`` when None) plus twice the cross term (rules/tied.py),
+    clamped at 0 against rounding where the two parts nearly cancel."""
+    if own is None:
+        own = sum(
+            call.layer.rule.squared_norms(call.layer.module, call.stored, call.grads, [local], dtype)[local]
+            for call, local in held
+        )
+    embedding, linear = sorted(held, key=lambda holder: not isinstance(holder[0].layer.rule, EmbeddingRule))
+    cross = tied.cross_term(
+        embedding[0].layer.module, embedding[0].stored, embedding[0].grads, linear[0].stored, linear[0].grads, dtype
+    )
+    return (own + 2 * cross).clamp_(min=0)
 
 
 def clip_forward_pass(
@@ -111,12 +154,19 @@ def clip_forward_pass(
     batch = _common_batch_size(calls, batch_size)
     if batch == 0:
         return ClippedPass({}, 0, 0, {} if unclipped else None)
-    owners: dict[str, int] = {}
+    holders: dict[str, list[tuple[LayerCall, str]]] = {}
     for call in calls:
-        for name in call.layer.global_names:
-            owners[name] = owners.get(name, 0) + 1
-    # A layer called twice in one pass (a reused block) also shares its parameters across calls.
-    dense_names = {name for name, count in owners.items() if count > 1} | set(shared)
+        for local, name in zip(call.layer.local_names, call.layer.global_names):
+            holders.setdefault(name, []).append((call, local))
+    # Tied input and output embeddings: ghost norms with a cross term (rules/tied.py).
+    tied_names = {
+        name for name, held in holders.items()
+        if len(held) == 2 and held[0][0].layer is not held[1][0].layer
+        and tied.is_tied_pair(held[0][0].layer.rule, held[0][1], held[1][0].layer.rule, held[1][1])
+    }
+    # Other shared parameters, and a layer called twice in one pass (a reused block), need the
+    # sum of their calls' per-example gradients.
+    dense_names = ({name for name, held in holders.items() if len(held) > 1} | set(shared)) - tied_names
     for call in calls:
         if not call.layer.rule.ghost:
             dense_names.update(call.layer.global_names)
@@ -128,14 +178,15 @@ def clip_forward_pass(
             continue
         for local in layer.rule.materialized(layer.module, call.stored, call.grads, layer.local_names):
             name = layer.global_names[layer.local_names.index(local)]
-            size = batch * layer.module.get_parameter(local).numel()
-            if name not in dense_names and size <= budget:
+            size = batch * layer.parameters[layer.local_names.index(local)].numel()
+            if name not in dense_names and name not in tied_names and size <= budget:
                 budget -= size
                 dense_names.add(name)
 
     device = next(grad for grad in calls[0].grads if grad is not None).device
     factor_dtype = _factor_dtype(device)
     squared: dict[str, torch.Tensor] = {}
+    ghost_owner: dict[str, tuple[LayerCall, str]] = {}
     per_example: dict[str, torch.Tensor] = {}
     for call in calls:
         layer, dtype = call.layer, _layer_dtype(call.layer)
@@ -144,15 +195,13 @@ def clip_forward_pass(
         dense = [local for local, name in pairs if name in dense_names]
         if ghost:
             squares = layer.rule.squared_norms(layer.module, call.stored, call.grads, ghost, dtype)
-            overflowed = [local for local in ghost if not bool(torch.isfinite(squares[local]).all())]
-            if overflowed and dtype != torch.float64:
-                recomputed = layer.rule.squared_norms(layer.module, call.stored, call.grads, overflowed, torch.float64)
-                squares.update(recomputed)
             for local, name in pairs:
                 if local in ghost:
-                    if not bool(torch.isfinite(squares[local]).all()):
-                        raise _nonfinite(name, layer, squares[local], batch)
-                    squared[name] = squares[local].to(device=device, dtype=factor_dtype)
+                    if name in tied_names:
+                        squared[name] = squares[local] + squared[name] if name in squared else squares[local]
+                    else:
+                        squared[name] = squares[local]
+                        ghost_owner[name] = (call, local)
         if dense:
             grads = layer.rule.per_example_grads(layer.module, call.stored, call.grads, dense, dtype)
             for local, name in pairs:
@@ -160,33 +209,63 @@ def clip_forward_pass(
                     part = grads[local]
                     per_example[name] = part if name not in per_example else per_example[name] + part
     for name, grads in per_example.items():
-        squares = squared_frobenius(grads)
-        if not bool(torch.isfinite(squares).all()):
-            squares = squared_frobenius(grads.to(torch.float64))
-            if not bool(torch.isfinite(squares).all()):
+        squared[name] = squared_frobenius(grads)
+    for name in tied_names:
+        squared[name] = _tied_squares(holders[name], _layer_dtype(holders[name][0][0].layer), squared[name])
+    total = _total(squared, device, factor_dtype)
+    if not bool(torch.isfinite(total).all()):
+        # One check for the whole pass; only here, parameter by parameter: squares that overflowed
+        # float32 are recomputed in float64 from the same stored tensors, and what is still not
+        # finite raises, naming the parameter.
+        for name in list(squared):
+            if bool(torch.isfinite(squared[name]).all()):
+                continue
+            if name in tied_names:
+                owner = holders[name][0][0].layer
+                squares = _tied_squares(holders[name], torch.float64, None)
+            elif name in ghost_owner:
+                call, local = ghost_owner[name]
+                owner = call.layer
+                squares = owner.rule.squared_norms(
+                    owner.module, call.stored, call.grads, [local], torch.float64
+                )[local]
+            else:
                 owner = next(call.layer for call in calls if name in call.layer.global_names)
+                squares = squared_frobenius(per_example[name].to(torch.float64))
+            if not bool(torch.isfinite(squares).all()):
                 raise _nonfinite(name, owner, squares, batch)
-        squared[name] = squares.to(device=device, dtype=factor_dtype)
+            squared[name] = squares
+        total = _total(squared, device, factor_dtype)
 
     scale = float(batch) if mean else 1.0
-    norms = torch.sqrt(torch.stack(list(squared.values())).sum(dim=0)) * scale
+    norms = torch.sqrt(total) * scale
     factors, clipped = clip_factors(norms, max_grad_norm)
     weights = factors * scale
 
     def weighted_sums(weights: torch.Tensor) -> dict[str, torch.Tensor]:
         sums: dict[str, torch.Tensor] = {}
+        converted: dict[tuple, torch.Tensor] = {}
+
+        def weights_as(tensor_device, dtype):
+            key = (tensor_device, dtype)
+            if key not in converted:
+                converted[key] = weights.to(device=tensor_device, dtype=dtype)
+            return converted[key]
+
         for call in calls:
             layer, dtype = call.layer, _layer_dtype(call.layer)
             ghost = [local for local, name in zip(layer.local_names, layer.global_names) if name not in dense_names]
             if not ghost:
                 continue
-            parts = layer.rule.clipped_sums(layer.module, call.stored, call.grads, ghost, weights.to(dtype), dtype)
+            parts = layer.rule.clipped_sums(
+                layer.module, call.stored, call.grads, ghost, weights_as(weights.device, dtype), dtype
+            )
             for local, name in zip(layer.local_names, layer.global_names):
                 if local in ghost:
-                    sums[name] = parts[local]
+                    sums[name] = parts[local] + sums[name] if name in sums else parts[local]
         for name, grads in per_example.items():
             flat = grads.reshape(batch, -1)
-            sums[name] = torch.mv(flat.t(), weights.to(device=flat.device, dtype=flat.dtype)).reshape(grads.shape[1:])
+            sums[name] = torch.mv(flat.t(), weights_as(flat.device, flat.dtype)).reshape(grads.shape[1:])
         return sums
 
     # The stored output gradients already carry the loss's 1/B for a mean, so factor 1 gives .grad.

@@ -7,10 +7,31 @@ once (``bookkeeping.clip_forward_pass``) and its stored tensors are freed. A pas
 were not all used by the loss never completes by count; it is clipped at the next call of the
 model, or in ``clipped_sum()``. Passes never mix: two forward passes followed by one backward
 of the sum of their losses are clipped as two sets of examples.
+
+Shared indices. A model that looks up position embeddings with indices of batch size one
+(``position_ids`` of shape (1, T), broadcast against the token embeddings, as GPT-2 and BERT do)
+would hand that Embedding the sum of the examples' gradients. A forward pre-hook on hooked
+Embedding layers expands such an index tensor to the pass's batch (a view, no copy), so that
+the layer's output, and its gradient, has one row per example. The model must combine that
+output with the batch by broadcasting (adding it to the token embeddings), which is what
+broadcasting a (1, T, d) tensor did; a model that instead reduced over its first dimension
+would now attribute the batch's gradient to some examples. Any other layer called on a batch of
+one is refused in backward (``BatchDimensionError``, with the fix).
+
+Gradient checkpointing (``torch.utils.checkpoint``, ``model.gradient_checkpointing_enable()``)
+runs the checkpointed layers again in backward. Non-reentrant checkpointing (transformers'
+default) backpropagates through the graph of the original forward, whose calls the hooks
+recorded: the recomputed calls are recognized (a hooked layer running inside ``backward`` outside
+any call of the model) and ignored. The recorded inputs stay referenced by the clipper, so
+checkpointing saves less memory than without per-example clipping. Reentrant checkpointing
+(``use_reentrant=True``) runs the forward under ``no_grad`` and backpropagates through the
+recomputed graph: the calls skipped in the forward are counted on their pass, the recomputed
+calls are recorded into it, and the pass is clipped once all of them have their gradients.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -22,6 +43,8 @@ from opake._checks import positive_finite
 from opake.torch.per_example.bookkeeping import ClippedPass, LayerCall, clip_forward_pass, sum_dtype
 from opake.torch.per_example.errors import ClipperUsageError, UnhookedUseError, UnsupportedModuleError
 from opake.torch.per_example.model import HookedLayer, describe, plan_model
+from opake.torch.per_example.rules.base import autocast_state, lowest_precision
+from opake.torch.per_example.rules.embedding import EmbeddingRule
 
 LOSS_REDUCTIONS = ("mean", "sum")
 
@@ -29,8 +52,55 @@ LOSS_REDUCTIONS = ("mean", "sum")
 @dataclass(eq=False)
 class _ForwardPass:
     batch_size: int | None  # dimension 0 of the model's first tensor input, when it has one
+    grad_enabled: bool = True  # at the call of the model
     calls: list[LayerCall] = field(default_factory=list)
     pending: int = 0
+    deferred: int = 0  # hooked calls run under no_grad inside the model: reentrant checkpointing
+
+    @property
+    def complete(self) -> bool:
+        return self.pending == 0 and self.deferred <= 0
+
+
+def coverage_tolerance(dtype: torch.dtype | None) -> float:
+    """``check_coverage``'s default ``rtol`` for gradients computed in ``dtype``.
+
+    1e-3 of the model's gradient norm for float32 and float64 (reductions in another order
+    differ by far less), and 4 machine epsilons for half precision: bfloat16 (eps 2^-7, unit
+    roundoff 2^-8) 3.1e-2, float16 3.9e-3. A low-precision ``.grad`` is autograd's result rounded
+    once (matrix products accumulate in float32, then round) where the hooks' sums are float32,
+    so each parameter's difference is about one unit roundoff of its own gradient, at most
+    1/sqrt(2) roundoff of the model's; 4 eps leaves room for a ``.grad`` accumulated from several
+    uses (tied weights, repeated tokens) in bfloat16. A parameter used outside its layer differs
+    by that use's share of the gradient, which this still catches unless that share is a few
+    percent of the whole model's gradient.
+    """
+    if dtype is None or dtype in (torch.float32, torch.float64):
+        return 1e-3
+    return max(1e-3, 4 * torch.finfo(dtype).eps)
+
+
+def _leaves(tree) -> list:
+    """The leaves of a layer's output (a bare tensor, the common case, without flattening)."""
+    return [tree] if isinstance(tree, torch.Tensor) else optree.tree_leaves(tree)
+
+
+def _any_requires_grad(args: tuple, kwargs: dict) -> bool:
+    for value in args:
+        if isinstance(value, torch.Tensor):
+            if value.requires_grad:
+                return True
+        elif any(isinstance(leaf, torch.Tensor) and leaf.requires_grad for leaf in optree.tree_leaves(value)):
+            return True
+    return bool(kwargs) and any(
+        isinstance(leaf, torch.Tensor) and leaf.requires_grad for leaf in optree.tree_leaves(kwargs)
+    )
+
+
+def _in_backward() -> bool:
+    """Whether autograd is running a backward pass on this thread now."""
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    return current is not None and current() != -1
 
 
 def _first_tensor(args, kwargs) -> torch.Tensor | None:
@@ -77,9 +147,12 @@ class PerExampleClipper:
         self._folding = False
         self._skip_autograd_weights = False
         self._lent: list[list[torch.Tensor]] = []  # parameters whose requires_grad a layer call turned off
+        self._precisions: set[torch.dtype] = set()  # parameter and autocast dtypes of the calls seen
         self.reset()
         self._handles.append(module.register_forward_pre_hook(self._begin_pass, with_kwargs=True))
         for layer in self._plan.layers:
+            if isinstance(layer.rule, EmbeddingRule):
+                self._handles.append(layer.module.register_forward_pre_hook(self._expand_shared_indices))
             self._handles.append(
                 layer.module.register_forward_pre_hook(partial(self._lend_parameters, layer), with_kwargs=True)
             )
@@ -144,19 +217,24 @@ class PerExampleClipper:
         per parameter) so that :meth:`check_coverage` can compare them with ``.grad``."""
         self._tracking_unclipped = bool(enabled)
 
-    def check_coverage(self, rtol: float = 1e-3) -> None:
+    def check_coverage(self, rtol: float | None = None) -> None:
         """Raise unless autograd's ``.grad`` equals the sum the hooks saw, for every parameter.
 
         A trainable parameter used outside the forward of the layer holding it (as in
         ``h @ self.embedding.weight.T``) escapes the hooks: its per-example norm would miss that
         use and the clipping bound would not hold. Autograd sees every use, so a ``.grad`` that
         differs from the hooks' unclipped sum (beyond float rounding: ``rtol`` of the norm of
-        the whole model's gradient) means such a use. Needs ``track_coverage()`` before the
-        backward passes and ``.grad`` zeroed at the start of the logical batch.
+        the whole model's gradient) means such a use. ``rtol`` defaults to
+        ``coverage_tolerance`` of the lowest precision the hooked calls computed in (their
+        parameters' dtype, or autocast's): 1e-3 in float32, 3.1e-2 in bfloat16. Needs
+        ``track_coverage()`` before the backward passes and ``.grad`` zeroed at the start of the
+        logical batch.
         """
         self._close_passes(only_received=False)
         if not self._tracking_unclipped or self._unclipped is None:
             raise ClipperUsageError("check_coverage() needs track_coverage() before the backward passes")
+        if rtol is None:
+            rtol = coverage_tolerance(lowest_precision(self._precisions))
         pairs = {}
         for name, param in self._plan.trainable.items():
             seen, actual = self._unclipped.get(name), param.grad
@@ -188,6 +266,7 @@ class PerExampleClipper:
         self._examples = 0
         self._clipped_examples = 0
         self._passes = 0
+        self._precisions = set()
 
     def remove(self) -> None:
         """Detach every hook from the model and drop all state."""
@@ -204,21 +283,43 @@ class PerExampleClipper:
         self._close_passes(only_received=True)
         first = _first_tensor(args, kwargs)
         batch = first.shape[0] if first is not None and first.dim() > 0 else None
-        self._current = _ForwardPass(batch_size=batch)
+        self._current = _ForwardPass(batch_size=batch, grad_enabled=torch.is_grad_enabled())
         self._open.append(self._current)
 
     def _end_pass(self, module, args, output):
         current, self._current = self._current, None
-        if current is not None and not current.calls:
+        if current is not None and not current.calls and not current.deferred:
             self._open.remove(current)
+
+    def _pass_of_call(self) -> _ForwardPass | None:
+        """The pass a hooked call belongs to: the model call running, or in backward (a
+        recomputation by gradient checkpointing) the one pass awaiting its gradients."""
+        if self._current is not None:
+            return self._current
+        if _in_backward() and len(self._open) == 1:
+            return self._open[0]
+        return None
+
+    def _expand_shared_indices(self, module, args):
+        """Indices with batch size one, in a pass of a larger batch, expanded to that batch
+        (module docstring: shared position ids)."""
+        if self._folding or not torch.is_grad_enabled() or not args or not isinstance(args[0], torch.Tensor):
+            return None
+        forward_pass = self._pass_of_call()
+        indices = args[0]
+        if forward_pass is None or forward_pass.batch_size is None or forward_pass.batch_size == 1:
+            return None
+        if indices.dim() < 2 or indices.shape[0] != 1:
+            return None
+        return (indices.expand(forward_pass.batch_size, *indices.shape[1:]), *args[1:])
 
     def _lend_parameters(self, layer: HookedLayer, module, args, kwargs):
         lent = []
-        if self._skip_autograd_weights and not self._folding and torch.is_grad_enabled() and any(
-            isinstance(leaf, torch.Tensor) and leaf.requires_grad for leaf in optree.tree_leaves((args, kwargs))
+        if (
+            self._skip_autograd_weights and not self._folding and torch.is_grad_enabled()
+            and _any_requires_grad(args, kwargs)
         ):
-            for name in layer.global_names:
-                param = self._plan.trainable[name]
+            for param in layer.parameters:
                 if param.requires_grad:
                     param.requires_grad_(False)
                     lent.append(param)
@@ -230,21 +331,30 @@ class PerExampleClipper:
                 param.requires_grad_(True)
 
     def _record_call(self, layer: HookedLayer, module, args, kwargs, output):
-        if self._folding or not torch.is_grad_enabled():
+        if self._folding:
             return  # the fallback's per-example replay runs layers again: not a new call
-        leaves = optree.tree_leaves(output)
+        if not torch.is_grad_enabled():
+            if self._current is not None and self._current.grad_enabled:
+                # A no_grad region inside a model call that records gradients: reentrant
+                # checkpointing, which runs this call again in backward (module docstring).
+                self._current.deferred += 1
+            return
+        forward_pass = self._current
+        if forward_pass is None:
+            forward_pass = self._recomputed_pass(layer)
+            if forward_pass is None:
+                return  # non-reentrant checkpointing: gradients flow through the recorded forward
+            forward_pass.deferred -= 1
+        leaves = _leaves(output)
         needing = [
             index for index, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and leaf.requires_grad
         ]
         if not needing:
             return
-        if self._current is None:
-            raise ClipperUsageError(
-                f"the layer at {describe(layer.path)} ran outside a call of the model the clipper was built on; "
-                f"call that model (or build the clipper on the module you call)"
-            )
-        call = LayerCall(layer, layer.rule.store(module, args, kwargs, layer.local_names), [None] * len(leaves))
-        forward_pass = self._current
+        self._precisions.add(layer.parameters[0].dtype)
+        self._precisions.update(dtype for _, dtype in autocast_state())
+        stored = layer.rule.store(module, args, kwargs, layer.local_names, output)
+        call = LayerCall(layer, stored, [None] * len(leaves))
         forward_pass.calls.append(call)
         forward_pass.pending += len(needing)
         for index in needing:
@@ -258,9 +368,30 @@ class PerExampleClipper:
             )
         call.grads[index] = grad.detach()
         forward_pass.pending -= 1
-        if forward_pass.pending == 0 and forward_pass is not self._current:
+        if forward_pass.complete and forward_pass is not self._current:
             self._open.remove(forward_pass)
             self._fold(forward_pass)
+
+    def _recomputed_pass(self, layer: HookedLayer) -> _ForwardPass | None:
+        """For a hooked call outside any call of the model: the pass whose reentrant checkpoint
+        is being recomputed, or None for a non-reentrant recomputation; raises otherwise."""
+        if not _in_backward():
+            raise ClipperUsageError(
+                f"the layer at {describe(layer.path)} ran outside a call of the model the clipper was built on; "
+                f"call that model (or build the clipper on the module you call)"
+            )
+        waiting = [forward_pass for forward_pass in self._open if forward_pass.deferred > 0]
+        if not waiting:
+            return None
+        if len(waiting) > 1:
+            raise ClipperUsageError(
+                f"gradient checkpointing with use_reentrant=True recomputed the layer at {describe(layer.path)} "
+                f"in backward while {len(waiting)} forward passes await their gradients, and the clipper cannot "
+                f"tell which one the call belongs to. Run backward after each forward pass, or checkpoint "
+                f"with use_reentrant=False (transformers: model.gradient_checkpointing_enable("
+                f"gradient_checkpointing_kwargs={{'use_reentrant': False}}), its default)"
+            )
+        return waiting[0]
 
     def _guard_batch_norm(self, path, module, args):
         if module.training:
@@ -287,14 +418,18 @@ class PerExampleClipper:
         calls, forward_pass.calls = forward_pass.calls, []  # stored tensors are freed on return
         self._folding = True
         try:
-            clipped: ClippedPass = clip_forward_pass(
-                calls,
-                max_grad_norm=self.max_grad_norm,
-                mean=self.loss_reduction == "mean",
-                shared=self._plan.shared,
-                batch_size=forward_pass.batch_size,
-                unclipped=self._tracking_unclipped,
-            )
+            with contextlib.ExitStack() as full_precision:
+                # A backward run inside autocast must not lower the norms' and sums' precision.
+                for device, _ in autocast_state():
+                    full_precision.enter_context(torch.autocast(device, enabled=False))
+                clipped: ClippedPass = clip_forward_pass(
+                    calls,
+                    max_grad_norm=self.max_grad_norm,
+                    mean=self.loss_reduction == "mean",
+                    shared=self._plan.shared,
+                    batch_size=forward_pass.batch_size,
+                    unclipped=self._tracking_unclipped,
+                )
         finally:
             self._folding = False
         for name, part in clipped.sums.items():

@@ -1,10 +1,13 @@
-"""Errors of the per-example clipper, each a subclass of the builtin its caller expects."""
+"""Errors of the per-example clipper, each a subclass of the builtin its caller expects, and its one warning."""
 
 from __future__ import annotations
 
 from opake.dpftrl.clipping import NonFiniteGradientError
 
-__all__ = ["BatchDimensionError", "ClipperUsageError", "NonFiniteGradientError", "UnhookedUseError", "UnsupportedModuleError"]
+__all__ = [
+    "BatchDimensionError", "ClipperUsageError", "FallbackWarning", "NonFiniteGradientError", "UnhookedUseError",
+    "UnsupportedModuleError",
+]
 
 
 class UnsupportedModuleError(ValueError):
@@ -21,3 +24,7 @@ class BatchDimensionError(RuntimeError):
 
 class UnhookedUseError(RuntimeError):
     """A trainable parameter got gradient from a use the per-example hooks did not see."""
+
+
+class FallbackWarning(UserWarning):
+    """Layers without a closed-form rule take the slower torch.func fallback (the message says its cost)."""

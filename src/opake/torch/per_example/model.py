@@ -10,13 +10,14 @@ contributions, so its norm cannot come from either layer's ghost norm alone.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parameter import UninitializedParameter
 
-from opake.torch.per_example.errors import UnsupportedModuleError
+from opake.torch.per_example.errors import FallbackWarning, UnsupportedModuleError
 from opake.torch.per_example.rules import FUSED_TYPES, LayerRule, rule_for
 from opake.torch.per_example.rules import functional
 
@@ -35,6 +36,7 @@ class HookedLayer:
     rule: LayerRule
     local_names: tuple[str, ...]  # names inside the layer ("weight", "out_proj.bias")
     global_names: tuple[str, ...]  # the model's named_parameters() names, same order
+    parameters: tuple = ()  # the Parameters themselves, same order (module.to() keeps the objects)
 
 
 @dataclass(frozen=True, eq=False)
@@ -101,6 +103,7 @@ def plan_model(model: nn.Module) -> ModelPlan:
                 rule=rule,
                 local_names=tuple(name for name, _ in local),
                 global_names=tuple(canonical[id(param)] for _, param in local),
+                parameters=tuple(param for _, param in local),
             )
         )
 
@@ -109,4 +112,24 @@ def plan_model(model: nn.Module) -> ModelPlan:
         for name in layer.global_names:
             owners[name] = owners.get(name, 0) + 1
     shared = frozenset(name for name, count in owners.items() if count > 1)
+    _warn_about_fallbacks([layer for layer in layers if layer.rule is functional.RULE])
     return ModelPlan(tuple(layers), trainable, shared, tuple(inference_batch_norms))
+
+
+def _warn_about_fallbacks(layers: list[HookedLayer]) -> None:
+    """One warning naming the layers that take the torch.func fallback, and what it costs."""
+    if not layers:
+        return
+    shown = ", ".join(f"{type(layer.module).__name__} at {describe(layer.path)}" for layer in layers[:4])
+    more = f" and {len(layers) - 4} more" if len(layers) > 4 else ""
+    types = sorted({f"{type(layer.module).__module__}.{type(layer.module).__qualname__}" for layer in layers})
+    warnings.warn(
+        f"{len(layers)} layer(s) have no closed-form per-example rule and take the torch.func fallback: "
+        f"{shown}{more}. In every backward pass each is replayed per example (one more forward and "
+        f"backward of the layer, vmapped over the batch) and holds batch size x its trainable parameter "
+        f"count of per-example gradients, where a rule needs about the layer's activations. A subclass "
+        f"of a supported layer (a PEFT or quantized wrapper) lands here too, since its forward may differ. "
+        f"Register a rule for {', '.join(types)} with opake.torch.per_example.register_rule to avoid this.",
+        FallbackWarning,
+        stacklevel=4,
+    )

@@ -37,8 +37,10 @@ class LayerRule:
     def check(self, module: nn.Module, path: str) -> None:
         """Raise UnsupportedModuleError when this module's configuration mixes examples."""
 
-    def store(self, module: nn.Module, args: tuple, kwargs: dict, names: tuple[str, ...]):
-        """What to keep from the forward call (detached); by default the first input."""
+    def store(self, module: nn.Module, args: tuple, kwargs: dict, names: tuple[str, ...], output):
+        """What to keep from the forward call (detached), given its arguments and its output;
+        by default the first input. Keep references to tensors autograd keeps anyway where
+        possible: what is stored lives until the pass is clipped."""
         return args[0].detach()
 
     def materialized(self, module: nn.Module, stored, grads: list, names: tuple[str, ...]) -> tuple[str, ...]:
@@ -67,3 +69,43 @@ def example_chunks(batch: int, elements_per_example: int, limit: int = CHUNK_ELE
 def squared_frobenius(per_example: torch.Tensor) -> torch.Tensor:
     """(B,) sums of squares of a (B, ...) tensor (one fused pass: 3x faster than pow and sum)."""
     return torch.linalg.vector_norm(per_example.reshape(per_example.shape[0], -1), dim=1).square()
+
+
+# Mixed precision. Under ``torch.autocast`` a Linear or a convolution multiplies copies of its
+# input and weight in the autocast dtype (bfloat16, float16), and autograd's weight gradient is
+# formed from those copies. A rule whose forward is such an op stores its input as autocast cast
+# it (``autocast_input``), so that its per-example gradients are formed from the same operands
+# as autograd's (in float32: the rounding left is that of autograd's own low-precision result).
+# The fallback replays its layer under the autocast state of the forward (``autocast_state``).
+
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+def autocast_state() -> tuple[tuple[str, torch.dtype], ...]:
+    """The devices on which autocast is enabled now, each with its dtype."""
+    return tuple(
+        (device, torch.get_autocast_dtype(device))
+        for device in _AUTOCAST_DEVICES
+        if torch.is_autocast_enabled(device)
+    )
+
+
+def autocast_input(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as autocast casts the input of a matrix multiplication or convolution now:
+    float32/float16/bfloat16 to the autocast dtype of its device when autocast is enabled there
+    (float64 is left alone, as autocast leaves it); unchanged otherwise."""
+    device = tensor.device.type
+    if (
+        device in _AUTOCAST_DEVICES
+        and tensor.is_floating_point()
+        and tensor.dtype != torch.float64
+        and torch.is_autocast_enabled(device)
+    ):
+        return tensor.to(torch.get_autocast_dtype(device))
+    return tensor
+
+
+def lowest_precision(dtypes) -> torch.dtype | None:
+    """The floating dtype with the largest machine epsilon among ``dtypes`` (None if empty)."""
+    floating = [dtype for dtype in dtypes if dtype is not None and dtype.is_floating_point]
+    return max(floating, key=lambda dtype: torch.finfo(dtype).eps, default=None)

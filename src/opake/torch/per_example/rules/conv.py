@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from opake.torch.per_example.rules.base import LayerRule, example_chunks, squared_frobenius
+from opake.torch.per_example.rules.base import LayerRule, autocast_input, example_chunks, squared_frobenius
 
 CHUNK_ELEMENTS = 2**18
 
@@ -179,8 +179,9 @@ def _materialized_elements(geometry: _ConvGeometry, route: str) -> int:
 class ConvRule(LayerRule):
     ghost = True
 
-    def store(self, module, args, kwargs, names):
-        return args[0].detach() if "weight" in names else None
+    def store(self, module, args, kwargs, names, output):
+        # Under autocast, the low-precision copy the convolution used (rules/base.py).
+        return autocast_input(args[0].detach()) if "weight" in names else None
 
     def materialized(self, module, stored, grads, names):
         # Formed once, a per-example gradient's sum is a matrix-vector product instead of a

@@ -8,7 +8,9 @@ holding ``padding_idx`` contribute nothing, as in the layer's own backward), so
 
 which needs a T x T mask and Gram matrix per example (formed a chunk of examples at a time),
 never the vocab x dim gradient. The clipped sum scatters ``c_i * G_i[t]`` into one vocab x dim
-tensor with ``index_add_``.
+tensor with ``index_add_``. A small table (vocab x dim at most T^2 (dim + 1), as position
+embeddings are) is offered to the book-keeping to form per example instead (``materialized``):
+one scatter into B x vocab x dim, reused for the norms and the sum.
 """
 
 from __future__ import annotations
@@ -20,12 +22,15 @@ from opake.torch.per_example.rules.base import LayerRule, example_chunks
 
 
 def _tokens_and_rows(module, stored, grad, dtype):
+    """(B, T) tokens, (B, T, dim) output-gradient rows, and the (B, T) mask of positions that
+    count (None when the layer has no padding_idx or no position holds it: all count)."""
     tokens = stored.reshape(stored.shape[0], -1)
     rows = grad.to(dtype).reshape(grad.shape[0], -1, grad.shape[-1])
-    if module.padding_idx is None:
-        counted = torch.ones_like(tokens, dtype=torch.bool)
-    else:
+    counted = None
+    if module.padding_idx is not None:
         counted = tokens != module.padding_idx
+        if bool(counted.all()):
+            counted = None
     return tokens, rows, counted
 
 
@@ -39,13 +44,22 @@ class EmbeddingRule(LayerRule):
                 f"token counts over the whole batch and so mixes examples; set scale_grad_by_freq=False"
             )
 
+    def materialized(self, module, stored, grads, names):
+        # A small table (position embeddings: n_positions x dim) is cheaper formed per example
+        # (vocab x dim, one scatter) than through T x T Gram matrices (T^2 (dim + 1)).
+        length = stored[0].numel() if stored.shape[0] else 0
+        if module.num_embeddings * module.embedding_dim <= length * length * (module.embedding_dim + 1):
+            return tuple(names)
+        return ()
+
     def squared_norms(self, module, stored, grads, names, dtype):
         tokens, rows, counted = _tokens_and_rows(module, stored, grads[0], dtype)
         batch, length = tokens.shape
         parts = []
         for chunk in example_chunks(batch, 2 * length * length):
             same = tokens[chunk, :, None] == tokens[chunk, None, :]
-            same &= counted[chunk, :, None] & counted[chunk, None, :]
+            if counted is not None:
+                same &= counted[chunk, :, None] & counted[chunk, None, :]
             gram = torch.bmm(rows[chunk], rows[chunk].transpose(1, 2))
             parts.append((gram * same).sum(dim=(1, 2)))
         return {"weight": torch.cat(parts) if parts else rows.new_zeros(0)}
@@ -54,7 +68,10 @@ class EmbeddingRule(LayerRule):
         tokens, rows, counted = _tokens_and_rows(module, stored, grads[0], dtype)
         scaled = rows * weights[:, None, None]
         total = torch.zeros(module.num_embeddings, module.embedding_dim, dtype=dtype, device=rows.device)
-        total.index_add_(0, tokens[counted], scaled[counted])
+        if counted is None:
+            total.index_add_(0, tokens.reshape(-1), scaled.reshape(-1, scaled.shape[-1]))
+        else:
+            total.index_add_(0, tokens[counted], scaled[counted])
         return {"weight": total}
 
     def per_example_grads(self, module, stored, grads, names, dtype):
@@ -63,7 +80,10 @@ class EmbeddingRule(LayerRule):
         vocabulary = module.num_embeddings
         flat = torch.zeros(batch * vocabulary, module.embedding_dim, dtype=dtype, device=rows.device)
         offsets = torch.arange(batch, device=tokens.device)[:, None] * vocabulary
-        flat.index_add_(0, (tokens + offsets)[counted], rows[counted])
+        if counted is None:
+            flat.index_add_(0, (tokens + offsets).reshape(-1), rows.reshape(-1, rows.shape[-1]))
+        else:
+            flat.index_add_(0, (tokens + offsets)[counted], rows[counted])
         return {"weight": flat.reshape(batch, vocabulary, module.embedding_dim)}
 
 

@@ -8,6 +8,9 @@ with the stored output gradient ``G_i``. Only this layer's forward is replayed, 
 parameters are differentiated, so the cost is one extra forward and backward of this layer and
 the memory is B x (this layer's parameter count), never the model's.
 
+Under autocast the replay runs under the autocast state of the forward (recorded with the inputs),
+so that it computes in the dtypes the forward did.
+
 Tensor arguments whose dimension 0 is the batch are split per example; other arguments (flags,
 an (L, S) attention mask) are passed whole. The replay must be deterministic: a layer that draws
 random numbers in its forward (attention dropout) is refused, since its replay would not see the
@@ -16,6 +19,7 @@ masks of the real forward.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 import optree
@@ -24,7 +28,7 @@ from torch import nn
 from torch.func import functional_call, vjp, vmap
 
 from opake.torch.per_example.errors import UnsupportedModuleError
-from opake.torch.per_example.rules.base import LayerRule
+from opake.torch.per_example.rules.base import LayerRule, autocast_state
 
 # Layers whose forward reads their children's parameters directly (nn.MultiheadAttention uses
 # out_proj.weight without calling out_proj): the rule covers the whole subtree.
@@ -59,12 +63,13 @@ class FunctionalRule(LayerRule):
                     f"nn.Linear and nn.Dropout layers"
                 )
 
-    def store(self, module, args, kwargs, names):
+    def store(self, module, args, kwargs, names, output):
         detach = lambda leaf: leaf.detach() if isinstance(leaf, torch.Tensor) else leaf  # noqa: E731
-        return optree.tree_map(detach, (args, kwargs), none_is_leaf=True)
+        args, kwargs = optree.tree_map(detach, (args, kwargs), none_is_leaf=True)
+        return args, kwargs, autocast_state()
 
     def per_example_grads(self, module, stored, grads, names, dtype):
-        args, kwargs = stored
+        args, kwargs, autocast = stored
         batch = next(grad.shape[0] for grad in grads if grad is not None)
         bound = inspect.signature(module.forward).bind(*args, **kwargs)
         shared = _SHARED_ARGUMENTS.get(type(module), ())
@@ -104,7 +109,10 @@ class FunctionalRule(LayerRule):
 
         in_dims = ([0 if is_split else None for is_split in split], [0] * len(cotangents))
         try:
-            per_example = vmap(one_example, in_dims=in_dims, randomness="error")(leaves, cotangents)
+            with contextlib.ExitStack() as replay:
+                for device, autocast_dtype in autocast:
+                    replay.enter_context(torch.autocast(device, dtype=autocast_dtype))
+                per_example = vmap(one_example, in_dims=in_dims, randomness="error")(leaves, cotangents)
         except RuntimeError as error:
             if "randomness" not in str(error):
                 raise
