@@ -116,13 +116,11 @@ def test_steps_equal_the_functional_layer_with_the_same_keys():
         params = {name: params[name] - 0.1 * noisy.pytree[name] for name in params}
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.detach(), params[name], rtol=1e-5, atol=1e-6)
-    # The plan's epsilon is the amplified balls-in-bins bound (the default, amplification=True),
-    # which is capped by the unamplified bound for the sampler's participation.
+    # The plan's epsilon is, by default, the bound proven for adaptive gradients: for a BLT, whose
+    # bins interact, the unamplified bound for the sampler's participation (docs/adaptivity.md).
     unamplified = dpftrl_acc.mf_gaussian(1.3, strategy, context.n_steps, context.min_sep, context.max_participations)
-    amplified = dpftrl_acc.balls_in_bins(dpftrl_acc.mf_gaussian(1.3, strategy), num_bins=5, n_steps=10, method="rdp")
-    assert private.plan.accounting == "amplified" and private.plan.sampling == "balls_in_bins"
-    assert private.epsilon == pytest.approx(amplified.epsilon_at(1e-5), rel=1e-12)
-    assert private.epsilon <= unamplified.epsilon_at(1e-5)
+    assert private.plan.accounting == "rigorous" and private.plan.sampling == "balls_in_bins"
+    assert private.epsilon == pytest.approx(unamplified.epsilon_at(1e-5), rel=1e-12)
 
 
 class _TiedModel(nn.Module):
@@ -259,7 +257,7 @@ def _make(model=None, **overrides):
 @pytest.mark.parametrize("overrides, error, pattern", [
     (dict(batch_size=21), ValueError, r"20 examples, fewer than batch_size=21"),
     (dict(sampling="uniform"), ValueError, r"sampling must be one of \('balls_in_bins', 'poisson'\)"),
-    (dict(amplification="yes"), TypeError, r"amplification must be True or False"),
+    (dict(amplification="yes"), TypeError, r"amplification must be None \(the proven default\), True or False"),
     (dict(sampling="poisson", strategy=identity_strategy(), amplification=False), ValueError,
      r"amplification=False applies to sampling='balls_in_bins'"),
     (dict(sampling="poisson", strategy=band_mf_strategy(bands=5)), ValueError,
@@ -396,9 +394,12 @@ def test_poisson_sampling_with_a_blt_is_refused_before_the_module_is_touched(str
 
 
 def test_amplification_never_needs_more_noise_than_the_unamplified_bound():
-    amplified = _make(batch_size=4, epochs=1)                       # 5 bins, one epoch: amplification helps
+    with pytest.warns(dpftrl_acc.UnprovenAmplificationWarning, match=r"not proven to dominate adaptively"):
+        amplified = _make(batch_size=4, epochs=1, amplification=True)   # 5 bins, one epoch: amplification helps
     unamplified = _make(batch_size=4, epochs=1, amplification=False)
+    default = _make(batch_size=4, epochs=1)                              # a BLT: the proven, unamplified bound
     assert (amplified.plan.accounting, unamplified.plan.accounting) == ("amplified", "rigorous")
+    assert default.plan.accounting == "rigorous" and default.noise_multiplier == unamplified.noise_multiplier
     assert amplified.noise_multiplier < unamplified.noise_multiplier
     assert amplified.epsilon <= 3.0 and unamplified.epsilon <= 3.0
     assert "amplified" in amplified.plan.accountant.description
@@ -425,7 +426,7 @@ def test_amplification_refuses_a_strategy_with_negative_coefficients():
     signed = HandBLTRecipe(theta=(0.5,), omega=(-0.3,))              # c_1 = -0.3
     with pytest.raises(ValueError, match=r"non-negative entries, and this strategy's has a negative one. "
                                          r"Pass amplification=False"):
-        _make(model=model, strategy=signed)
+        _make(model=model, strategy=signed, amplification=True)
     assert _hooks(model) == 0
 
 
@@ -462,5 +463,18 @@ def test_a_checkpoint_saved_before_sampling_existed_loads_into_the_unamplified_r
     saved = run(amplification=False).state_dict()
     saved["plan"] = {name: saved["plan"][name] for name in ("n_steps", "num_bins", "noise_multiplier", "max_grad_norm")}
     run(amplification=False).load_state_dict(saved, draws="replay")
+    run().load_state_dict(saved, draws="replay")                  # the default for a BLT: unamplified too
+    with pytest.warns(dpftrl_acc.UnprovenAmplificationWarning):
+        amplified = run(amplification=True)
     with pytest.raises(ValueError, match="another plan"):
-        run().load_state_dict(saved, draws="replay")
+        amplified.load_state_dict(saved, draws="replay")
+
+
+def test_dp_sgd_on_balls_in_bins_is_priced_by_the_random_allocation_pld_by_default():
+    from opake.dpftrl.accounting.allocation.pld import BallsInBinsPLD
+
+    private = _make(batch_size=4, epochs=2, strategy=identity_strategy())
+    assert private.plan.accounting == "allocation_pld"
+    assert isinstance(private.plan.accountant, BallsInBinsPLD)
+    unamplified = _make(batch_size=4, epochs=2, strategy=identity_strategy(), amplification=False)
+    assert private.noise_multiplier < unamplified.noise_multiplier and private.epsilon <= 3.0

@@ -31,12 +31,14 @@ The plan, in order (each piece is one of opake's layers, used as documented ther
 2. **Strategy**: by default the BLT optimized for the optimizer's own workload
    (``strategy_for_optimizer``: torch SGD's momentum, dampening and LR schedule; prefix sums
    for Adam-type optimizers), resolved for that participation.
-3. **Accountant and noise multiplier**: balls in bins is priced by ``balls_in_bins(...,
-   method="amplified")``, the proven amplified bound (``amplification=True``, default; it needs a
-   strategy matrix with non-negative entries and is capped by the unamplified bound, so it is
-   never worse), or by ``method="rigorous"``, the unamplified bound (``amplification=False``);
-   cyclic Poisson by ``poisson(...)``: Band23 Thm 4, PoissonSampled Gaussians composed
-   ``ceil(n_steps / g)`` times, priced by PLD. The noise multiplier is calibrated to
+3. **Accountant and noise multiplier**: balls in bins is priced, by default, by the tightest
+   bound proven for adaptively chosen gradients (docs/adaptivity.md): for strategies whose bins
+   do not interact (the identity) the random-allocation PLD (``accounting="allocation_pld"``),
+   for every other strategy (a BLT) the unamplified bound ``method="rigorous"``
+   (``accounting="rigorous"``; also ``amplification=False``). ``amplification=True`` asks for
+   the amplified bound of the aligned dominating pair (``method="amplified"``), which for a BLT
+   is not proven for adaptive gradients and warns. Cyclic Poisson is priced by ``poisson(...)``:
+   Band23 Thm 4, PoissonSampled Gaussians composed ``ceil(n_steps / g)`` times, priced by PLD. The noise multiplier is calibrated to
    ``(target_epsilon, target_delta)`` by ``opake.accounting.calibrate`` on that accountant, or
    given (``noise_multiplier=``), in which case ``epsilon`` is computed at ``target_delta``.
    Calibration time (one core): the unamplified bound takes milliseconds; the amplified one
@@ -76,6 +78,7 @@ from torch import nn
 import opake.accounting as acc
 import opake.dpftrl.accounting as dpftrl_acc
 from opake.dpftrl.accounting.allocation.bin_gram import has_non_negative_entries
+from opake.dpftrl.accounting.allocation.pld import orthogonal_bins
 from opake.dpftrl.accounting.poisson import noise_multiplier_guess
 from opake._checks import positive_finite
 from opake.dpftrl.noise import blt_strategy, mf_gaussian_noise, sharded_mf_gaussian_noise
@@ -276,7 +279,7 @@ def make_private(
     noise_multiplier: float | None = None,
     strategy=None,
     sampling: str = "balls_in_bins",
-    amplification: bool = True,
+    amplification: bool | None = None,
     lr_scheduler=None,
     key: RngKey | None = None,
     process_group=None,
@@ -293,11 +296,15 @@ def make_private(
     ``F.cross_entropy``) or the sum over the batch. Extra keyword arguments go to the
     DataLoader (``num_workers``, ``pin_memory``, ...).
 
-    ``sampling="balls_in_bins"`` (default) works with every strategy; ``amplification=True``
-    (default) prices it with the proven amplified bound ``balls_in_bins(..., method="amplified")``,
-    ``amplification=False`` with the unamplified ``method="rigorous"``. The amplified bound
-    needs a strategy matrix with non-negative entries; for one with a negative entry, pass
-    ``amplification=False``. ``sampling="poisson"`` is cyclic Poisson sampling (Band23 Thm 4,
+    ``sampling="balls_in_bins"`` (default) works with every strategy. ``amplification=None``
+    (default) prices it with the tightest bound proven for adaptively chosen gradients
+    (docs/adaptivity.md): the random-allocation PLD for strategies whose bins do not interact
+    (the identity: DP-SGD on balls in bins; ``accounting="allocation_pld"``), the unamplified bound
+    for every other strategy, a BLT included (``accounting="rigorous"``). ``amplification=False``
+    is always the unamplified bound. ``amplification=True`` asks for ``balls_in_bins(...,
+    method="amplified")``, the amplified bound of the aligned dominating pair: for a BLT it is not
+    proven for adaptive gradients and warns (``UnprovenAmplificationWarning``); it needs a
+    strategy matrix with non-negative entries. ``sampling="poisson"`` is cyclic Poisson sampling (Band23 Thm 4,
     priced by PLD) for ``strategy=band_mf_strategy(bands=g)`` (g groups) or
     ``identity_strategy()`` (DP-SGD with Poisson sampling, as in Opacus); the sample rate is
     ``batch_size * g / len(dataset)`` and must be at most 1. The module docstring has the
@@ -348,9 +355,7 @@ def make_private(
     participation = sampler.participation(epochs * steps_per_epoch)
     if strategy is None:
         strategy = strategy_for_optimizer(optimizer, participation.n_steps, lr_scheduler)
-    accounting = "pld" if poisson else ("amplified" if amplification else "rigorous")
-    if accounting == "amplified":
-        _check_amplifiable(strategy, sampler, participation.n_steps)
+    accounting = _accounting(poisson, amplification, strategy, sampler, participation.n_steps)
     accountant_of_sigma = _accountant_for(strategy, sampler, participation.n_steps, accounting)
     plan_key = (strategy, accounting, sampling, getattr(sampler, "num_bins", None), getattr(sampler, "num_groups", None),
                 getattr(sampler, "sample_rate", None), participation.n_steps)
@@ -466,9 +471,9 @@ def _shared_key(process_group, world_size: int) -> RngKey:
 def _check_sampling(sampling, amplification) -> None:
     if sampling not in _SAMPLINGS:
         raise ValueError(f"sampling must be one of {_SAMPLINGS}, got {sampling!r}")
-    if not isinstance(amplification, bool):
-        raise TypeError(f"amplification must be True or False, got {amplification!r}")
-    if sampling == "poisson" and not amplification:
+    if amplification is not None and not isinstance(amplification, bool):
+        raise TypeError(f"amplification must be None (the proven default), True or False, got {amplification!r}")
+    if sampling == "poisson" and amplification is False:
         raise ValueError(
             "amplification=False applies to sampling='balls_in_bins'; cyclic Poisson sampling is always "
             "priced with its amplification (Band23 Thm 4). For an unamplified bound use "
@@ -506,8 +511,27 @@ def _accountant_for(strategy, sampler, n_steps: int, accounting: str):
     if accounting == "pld":
         return lambda sigma: dpftrl_acc.poisson(dpftrl_acc.mf_gaussian(sigma, strategy), sampler.sample_rate,
                                                 n_steps)
+    # "allocation_pld" is balls_in_bins' default for bins that do not interact: the PLD and the
+    # amplified bound of the same (proven) pair, per direction the smaller.
+    method = None if accounting == "allocation_pld" else accounting
     return lambda sigma: dpftrl_acc.balls_in_bins(dpftrl_acc.mf_gaussian(sigma, strategy), num_bins=sampler.num_bins,
-                                                  n_steps=n_steps, method=accounting)
+                                                  n_steps=n_steps, method=method)
+
+
+def _accounting(poisson: bool, amplification, strategy, sampler, n_steps: int) -> str:
+    """The bound the plan is priced with (PrivacyPlan.accounting); see make_private's docstring."""
+    if poisson:
+        return "pld"
+    if amplification is False:
+        return "rigorous"
+    if amplification:
+        _check_amplifiable(strategy, sampler, n_steps)
+        return "amplified"
+    rigorous = _accountant_for(strategy, sampler, n_steps, "rigorous")(1.0)
+    if not has_non_negative_entries(rigorous):
+        return "rigorous"
+    orthogonal = orthogonal_bins(rigorous.mechanism.toeplitz_coefficients(n_steps), sampler.num_bins)
+    return "allocation_pld" if orthogonal else "rigorous"
 
 
 # Calibrated noise multipliers by (strategy, accounting, sampler, horizon, epsilon, delta): the
@@ -586,12 +610,12 @@ def _calibrate_noise(accountant, accounting, participation, budget, target_epsil
                 guess = noise_multiplier_guess(process.sample_rate, process.compositions, process.column_norm,
                                                budget)
                 result = acc.calibrate_near(budget, accountant, guess, low, high, on_evaluation=report)
-        elif accounting == "amplified" and unamplified is not None:
+        elif accounting in ("amplified", "allocation_pld") and unamplified is not None:
             # The amplified bound is capped by the unamplified one, so the unamplified bound's
             # calibrated sigma (microseconds) meets the budget: the search's first guess and upper end.
             with progress.stage("calibrating the noise multiplier (balls in bins, amplified bound)"):
                 cap = acc.calibrate(budget, unamplified, low, high)
-                result = calibrate_capped(budget, accountant, cap, low, on_evaluation=report)
+                result = calibrate_capped(budget, accountant, unamplified, low, high, cap=cap, on_evaluation=report)
         else:
             with progress.stage(f"calibrating the noise multiplier (balls in bins, {accounting} bound)"):
                 result = acc.calibrate(budget, accountant, low, high, on_evaluation=report)

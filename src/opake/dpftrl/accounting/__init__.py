@@ -14,7 +14,7 @@ mechanism and the noise multiplier); ``check_noise_priced`` (what
 ``noise_fn.check_accounted_by(process)`` runs) refuses a noise stage that runs other noise.
 """
 
-from opake.dpftrl.accounting.allocation.balls_in_bins import BallsInBins, balls_in_bins
+from opake.dpftrl.accounting.allocation.balls_in_bins import BallsInBins, UnprovenAmplificationWarning, balls_in_bins
 from opake.dpftrl.accounting.gaussian import MFGaussian, UnboundMechanismError, mf_gaussian
 from opake.dpftrl.accounting.allocation.monte_carlo import BallsInBinsMonteCarlo, DeltaEstimate, EpsilonEstimate
 from opake.dpftrl.accounting.allocation.pld import BallsInBinsPLD
@@ -33,6 +33,7 @@ __all__ = [
     "MFGaussian",
     "PricedNoise",
     "UnboundMechanismError",
+    "UnprovenAmplificationWarning",
     "UnsupportedAmplificationError",
     "balls_in_bins",
     "check_noise_priced",

@@ -16,10 +16,14 @@ supplies that participation (min_sep = b, max_participations = k) to an unbound
   divisible by b; the identity strategy, i.e. DP-SGD), the privacy loss distribution of random
   allocation with pessimistic discretization (``allocation/pld.py``, docs/allocation_pld.md),
   capped by the unamplified bound. Refused for other strategies.
-* default (``method=None``): the tightest proven bound that applies. Orthogonal bins: the
-  allocation PLD and the amplified bound, per direction the smaller, capped by the unamplified
-  bound (about 1 to 3 s for 100 bins); other C >= 0: "amplified" (about 0.3 s for b = 100 bins,
-  1 to 3 s at b = 1000); else "rigorous".
+* default (``method=None``): the tightest bound proven for adaptively chosen gradients
+  (docs/adaptivity.md). Orthogonal bins: the allocation PLD and the amplified bound, per
+  direction the smaller, capped by the unamplified bound (about 1 to 3 s for 100 bins); every
+  other strategy (a BLT, BandMF with several bands): "rigorous".
+* For a strategy whose bins interact, ``method="amplified"`` prices the aligned dominating pair
+  (the same unit gradient at every participation). That pair is not proven to dominate
+  adaptively chosen gradients (nor fixed gradients of varying directions): building it emits
+  ``UnprovenAmplificationWarning``, and it is never a default.
 * ``method="monte_carlo"``: an *estimate* of the amplified privacy of the dominating pair,
   with confidence bounds (``monte_carlo.py``); never a guarantee.
 
@@ -29,6 +33,7 @@ Adaptively chosen gradients: docs/adaptivity.md says which of these bounds are p
 from __future__ import annotations
 
 import numbers
+import warnings
 from dataclasses import dataclass
 
 from opake.dpftrl.accounting.allocation.bin_gram import has_non_negative_entries
@@ -39,6 +44,18 @@ from opake.dpftrl.accounting.allocation.pld import BallsInBinsPLD, allocation_pl
 from opake.dpftrl.accounting.allocation.rdp import BallsInBinsRDP, rdp_allocation
 
 METHODS = ("rigorous", "monte_carlo", "amplified", "allocation_pld")
+
+
+class UnprovenAmplificationWarning(UserWarning):
+    """An amplified balls-in-bins bound whose dominating pair is not proven for adaptive gradients."""
+
+
+UNPROVEN_ADVICE = (
+    "balls_in_bins(method='amplified') for a strategy whose bins interact (a BLT, BandMF with several "
+    "bands) prices the aligned dominating pair, which is not proven to dominate adaptively chosen "
+    "gradients, as training produces (docs/adaptivity.md); the epsilon may be too small. The default "
+    "(method=None) is the unamplified bound, proven for adaptive gradients"
+)
 # Old names of a method, still accepted: "rdp" said Renyi only, before the direct hockey-stick bounds.
 METHOD_ALIASES = {"rdp": "amplified"}
 
@@ -98,6 +115,10 @@ def _positive_int(name: str, value) -> int:
     return int(value)
 
 
+def _orthogonal(rigorous: BallsInBins) -> bool:
+    return orthogonal_bins(rigorous.mechanism.toeplitz_coefficients(rigorous.n_steps), rigorous.num_bins)
+
+
 def balls_in_bins(
     inner: MFGaussian,
     num_bins: int,
@@ -115,12 +136,12 @@ def balls_in_bins(
         function supplies n_steps, min_sep=num_bins and max_participations=ceil(n_steps/num_bins).
       num_bins: number of bins b, 1 <= b <= n_steps.
       n_steps: number of training steps.
-      method: None (default: the tightest proven bound that applies: for orthogonal bins, e.g.
-        the identity strategy, the allocation PLD and the amplified bound together; else
-        "amplified" when C >= 0 entrywise; else "rigorous"), "rigorous" (proven, unamplified),
-        "amplified" (proven, amplified: Renyi and direct hockey-stick bounds; needs C >= 0; "rdp"
-        is an alias), "allocation_pld" (proven: the random-allocation PLD; needs orthogonal
-        bins) or "monte_carlo" (estimate; needs C >= 0).
+      method: None (default: the tightest bound proven for adaptive gradients: for orthogonal
+        bins, e.g. the identity strategy, the allocation PLD and the amplified bound together;
+        else "rigorous"), "rigorous" (proven, unamplified), "amplified" (Renyi and direct
+        hockey-stick bounds of the aligned pair; needs C >= 0; proven for adaptive gradients only
+        for orthogonal bins, otherwise it warns; "rdp" is an alias), "allocation_pld" (proven:
+        the random-allocation PLD; needs orthogonal bins) or "monte_carlo" (estimate; needs C >= 0).
       num_samples, seed, confidence: Monte Carlo only. seed is required; num_samples
         defaults to 100_000 (rounded up to a multiple of num_bins), confidence to 0.95.
 
@@ -157,15 +178,14 @@ def balls_in_bins(
     max_participations = -(-n_steps // num_bins)
     rigorous = BallsInBins(inner.bind(n_steps, num_bins, max_participations), num_bins, n_steps)
     if method is None:
-        if not has_non_negative_entries(rigorous):
-            return rigorous
-        amplified = rdp_allocation(rigorous)
-        if orthogonal_bins(rigorous.mechanism.toeplitz_coefficients(n_steps), num_bins):
-            return allocation_pld(rigorous, amplified)
-        return amplified
+        if has_non_negative_entries(rigorous) and _orthogonal(rigorous):
+            return allocation_pld(rigorous, rdp_allocation(rigorous))
+        return rigorous
     if method == "rigorous":
         return rigorous
     if method == "amplified":
+        if has_non_negative_entries(rigorous) and not _orthogonal(rigorous):
+            warnings.warn(UNPROVEN_ADVICE, UnprovenAmplificationWarning, stacklevel=2)
         return rdp_allocation(rigorous)
     if method == "allocation_pld":
         return allocation_pld(rigorous)
