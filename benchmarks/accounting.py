@@ -132,6 +132,85 @@ def seed_balls_in_bins():
           f"{'met' if epsilon <= 23.0 and seconds + resolve < 10 else 'NOT met'})")
 
 
+# Issue 19: planning a large run takes seconds. Each timing runs in a fresh interpreter (nothing
+# cached: the strategy is resolved and the noise calibrated from scratch), one core, progress off.
+PLAN_RUNS = [(1_000_000, 1024, 3), (50_000, 64, 20)]  # (examples, batch size, epochs)
+PLAN_EPSILONS = (3.0, 8.0)
+PLAN_TARGET_SECONDS = 5.0
+_MAKE_PRIVATE_PLAN = """
+import time, torch
+from opake.random import key
+from opake.torch import make_private
+
+class Examples(torch.utils.data.Dataset):
+    def __len__(self):
+        return {num_examples}
+
+    def __getitem__(self, index):
+        return torch.zeros(2), 0
+
+model = torch.nn.Linear(2, 2)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+start = time.perf_counter()
+private = make_private(module=model, optimizer=optimizer, dataset=Examples(), batch_size={batch_size},
+                       epochs={epochs}, max_grad_norm=1.0, target_epsilon={epsilon}, target_delta={delta},
+                       key=key(0), progress=False, amplification={amplification})
+print(time.perf_counter() - start, private.noise_multiplier, private.epsilon)
+"""
+_OPAKE_PLAN = """
+import contextlib, io, json, time
+from opake.cli import main
+
+out = io.StringIO()
+start = time.perf_counter()
+with contextlib.redirect_stdout(out):
+    code = main(["plan", "--json", "--no-progress", "--num-examples", "{num_examples}", "--batch-size",
+                 "{batch_size}", "--epochs", "{epochs}", "--epsilon", "{epsilon}", "--delta", "{delta}"])
+seconds = time.perf_counter() - start
+rows = {{row["strategy"]: row for row in json.loads(out.getvalue())["strategies"]}}
+print(seconds, rows["BLT amplified"]["noise_multiplier"], rows["BLT amplified"]["epsilon"])
+"""
+
+
+def plan_times():
+    """make_private's planning (a tiny model, so the time is the plan) and ``opake plan`` against 5 s.
+
+    make_private runs with its default accounting (for a BLT: the unamplified bound) and with
+    ``amplification=True`` (the amplified bound, seconds per evaluation: the slow case); "sigma"
+    is make_private's noise multiplier, and for ``opake plan`` its "BLT amplified" row's (the same
+    calibration as make_private's amplified one).
+    """
+    import re
+    import subprocess
+    import sys
+
+    print(f"\nplanning a run, fresh interpreter each (target {PLAN_TARGET_SECONDS:g} s; delta {DELTA:g}); "
+          "warnings: how many were printed, and their kinds (target 0)")
+    header = (f"{'what':13} {'examples':>9} {'batch':>6} {'epochs':>6} {'eps':>4} {'seconds':>8} {'/5s':>6} "
+              f"{'sigma':>9} {'warnings':>8}")
+    print(header)
+    print("-" * len(header))
+    for num_examples, batch_size, epochs in PLAN_RUNS:
+        for epsilon in PLAN_EPSILONS:
+            for what, code, amplification in (("make_private", _MAKE_PRIVATE_PLAN, None),
+                                              ("  amplified", _MAKE_PRIVATE_PLAN, True),
+                                              ("opake plan", _OPAKE_PLAN, None)):
+                script = code.format(num_examples=num_examples, batch_size=batch_size, epochs=epochs,
+                                     epsilon=epsilon, delta=DELTA, amplification=amplification)
+                done = subprocess.run([sys.executable, "-W", "always", "-c", script], capture_output=True, text=True)
+                # every warning printed once per place (-W always); name the kinds
+                kinds = re.findall(r"(\w+Warning): ", done.stderr)
+                warnings = f"{len(kinds)} {','.join(sorted(set(kinds)))}".strip()
+                if done.returncode != 0:
+                    print(f"{what:13} {num_examples:9d} {batch_size:6d} {epochs:6d} {epsilon:4g} failed: "
+                          f"{done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode}")
+                    continue
+                seconds, sigma, _ = (float(value) for value in done.stdout.split())
+                print(f"{what:13} {num_examples:9d} {batch_size:6d} {epochs:6d} {epsilon:4g} {seconds:8.2f} "
+                      f"{seconds / PLAN_TARGET_SECONDS:6.2f} {sigma:9.5f} {warnings:>8}")
+
+
 if __name__ == "__main__":
     main()
     seed_balls_in_bins()
+    plan_times()

@@ -12,6 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import opake.accounting as acc
+from opake.accounting.calibrate import calibrate_capped
 
 
 @pytest.mark.parametrize("epsilon", [0.1, 0.5, 1.0, 3.0, 10.0])
@@ -228,3 +229,156 @@ def test_smallest_epsilon_inverts_the_exact_gaussian(sigma):
         assert epsilon == pytest.approx(dp_accounting.get_epsilon_gaussian(sigma, delta), rel=1e-9)
     assert smallest_epsilon(process.delta_at, 1e-5, 1e-3) is None   # the bracket's end misses delta
     assert smallest_epsilon(lambda eps: 0.0, 1e-5, 10.0) == 0.0
+
+
+# --- fewer evaluations: interpolation on ln epsilon vs ln param, closing steps, epsilon_rtol ------
+
+
+@pytest.mark.parametrize("epsilon", [0.1, 1.0, 3.0, 8.0, 30.0])
+@pytest.mark.parametrize("delta", [1e-10, 1e-5])
+def test_gaussian_calibration_needs_few_evaluations(epsilon, delta):
+    # The bracket's regula falsi took 18 to 26 evaluations here; the secant search takes about 8.
+    result = acc.calibrate(acc.epsilon_budget(epsilon, delta), acc.gaussian, 0.01, 1000.0, rtol=1e-6)
+    reference = dp_accounting.get_sigma_gaussian(epsilon, delta)
+    assert reference * (1 - 1e-10) <= result.param <= reference * (1 + 1e-6) * (1 + 1e-10)
+    assert result.num_evaluations <= 12
+
+
+@pytest.mark.parametrize("epsilon", [0.5, 3.0, 8.0])
+def test_epsilon_rtol_stops_inside_the_window_and_still_meets_the_budget(epsilon):
+    budget = acc.epsilon_budget(epsilon, 1e-5)
+    result = acc.calibrate(budget, acc.gaussian, 0.01, 1000.0, rtol=1e-9, epsilon_rtol=1e-3)
+    # epsilon from dp_accounting (independent code) at the returned noise multiplier
+    independent = dp_accounting.get_epsilon_gaussian(result.param, 1e-5)
+    assert epsilon * (1 - 1e-3) * (1 - 1e-9) <= independent <= epsilon * (1 + 1e-9)
+    assert result.epsilon <= epsilon and result.epsilon_rtol == 1e-3
+    assert result.param >= dp_accounting.get_sigma_gaussian(epsilon, 1e-5) * (1 - 1e-10)
+    tight = acc.calibrate(budget, acc.gaussian, 0.01, 1000.0, rtol=1e-9)
+    assert result.num_evaluations < tight.num_evaluations
+
+
+def test_on_evaluation_sees_every_evaluation():
+    seen = []
+    result = acc.calibrate(acc.epsilon_budget(2.0, 1e-5), acc.gaussian, 0.1, 10.0,
+                           on_evaluation=lambda param, epsilon: seen.append((param, epsilon)))
+    assert len(seen) == result.num_evaluations == len({param for param, _ in seen})
+    for param, epsilon in seen:
+        assert epsilon == pytest.approx(dp_accounting.get_epsilon_gaussian(param, 1e-5), rel=1e-6)
+    assert (result.param, result.epsilon) in seen
+    with pytest.raises(TypeError, match="on_evaluation must be None or a callable"):
+        acc.calibrate(acc.epsilon_budget(2.0, 1e-5), acc.gaussian, 0.1, 10.0, on_evaluation=3)
+
+
+@pytest.mark.parametrize("value", [0.0, 0.9, "1e-3"])
+def test_bad_epsilon_rtol_is_refused(value):
+    with pytest.raises(ValueError, match=r"epsilon_rtol must be None or a number in \[1e-12, 0.5\]"):
+        acc.calibrate(acc.epsilon_budget(2.0, 1e-5), acc.gaussian, 0.1, 10.0, epsilon_rtol=value)
+
+
+class _Kinked:
+    """epsilon(p) with a kink and a flat stretch: the search must still bracket and converge."""
+
+    is_guarantee = True
+
+    def __init__(self, p):
+        self.p = p
+
+    def epsilon_at(self, delta):
+        return 5.0 if self.p < 1.0 else (4.0 if self.p < 3.0 else 1.0 / self.p)
+
+    def delta_at(self, epsilon):
+        return 1e-5
+
+
+def test_a_curve_interpolation_cannot_follow_is_bisected_to_the_tolerance():
+    # The smallest parameter with epsilon <= 2 is exactly 3 (the jump), so bracketing alone finds it.
+    result = acc.calibrate(acc.epsilon_budget(2.0, 1e-5), _Kinked, 0.01, 100.0, rtol=1e-6)
+    assert 3.0 <= result.param <= 3.0 * (1 + 1e-6)
+    assert result.param_failing < 3.0
+
+
+@pytest.mark.parametrize("slope", [-0.5, -1.0, -3.0])
+def test_calibrate_near_with_a_slope_hint_finds_the_same_answer(slope):
+    budget = acc.epsilon_budget(3.0, 1e-5)
+    near = acc.calibrate_near(budget, acc.gaussian, 1.0, 1e-3, 1e4, rtol=1e-9, slope=slope)
+    assert near.param == pytest.approx(dp_accounting.get_sigma_gaussian(3.0, 1e-5), rel=1e-8)
+    with pytest.raises(ValueError, match="slope must be None or a finite number < 0"):
+        acc.calibrate_near(budget, acc.gaussian, 1.0, 1e-3, 1e4, slope=0.5)
+
+
+def test_calibrate_near_stops_at_an_accepted_guess():
+    budget = acc.epsilon_budget(3.0, 1e-5)
+    exact = dp_accounting.get_sigma_gaussian(3.0, 1e-5)
+    result = acc.calibrate_near(budget, acc.gaussian, exact * (1 + 1e-5), 1e-3, 1e4, epsilon_rtol=1e-3)
+    assert result.num_evaluations == 1 and result.param == exact * (1 + 1e-5)
+    assert result.param_failing is None  # no failing parameter was needed
+    assert dp_accounting.get_epsilon_gaussian(result.param, 1e-5) <= 3.0
+
+
+# --- calibrate_capped: a slow process under a fast cap -------------------------------------------
+
+
+def _counting(factory):
+    calls = []
+
+    def counted(param):
+        calls.append(param)
+        return factory(param)
+
+    return counted, calls
+
+
+@pytest.mark.parametrize("gain", [1.0, 1.02, 1.3])
+def test_capped_calibration_of_a_scaled_gaussian(gain):
+    # process(p) = Gaussian(gain * p) has epsilon <= Gaussian(p)'s: the cap. Its smallest passing
+    # parameter is exactly sigma_gauss / gain (dp_accounting's calibration, independent code).
+    budget = acc.epsilon_budget(3.0, 1e-5)
+    slow, calls = _counting(lambda p: acc.gaussian(gain * p))
+    result = calibrate_capped(budget, slow, acc.gaussian, 1e-3, 1e4)
+    exact = dp_accounting.get_sigma_gaussian(3.0, 1e-5) / gain
+    assert dp_accounting.get_epsilon_gaussian(gain * result.param, 1e-5) <= 3.0
+    # stopped with epsilon within 0.1% of the target or the parameter within 0.01%: either way
+    # within 0.1% of the smallest passing parameter (the Gaussian's slope is steeper than -1 here)
+    assert exact * (1 - 1e-10) <= result.param <= exact * (1 + 1e-3)
+    assert len(calls) == result.num_evaluations == len(set(calls))
+    assert result.num_evaluations <= (1 if gain == 1.0 else 3)
+
+
+def test_capped_calibration_reuses_a_given_cap_and_checks_it():
+    budget = acc.epsilon_budget(3.0, 1e-5)
+    cap = acc.calibrate(budget, acc.gaussian, 1e-3, 1e4)
+    given = calibrate_capped(budget, lambda p: acc.gaussian(1.1 * p), acc.gaussian, 1e-3, 1e4, cap=cap)
+    again = calibrate_capped(budget, lambda p: acc.gaussian(1.1 * p), acc.gaussian, 1e-3, 1e4)
+    assert given == again
+    with pytest.raises(ValueError, match="cap was calibrated to .* not to"):
+        calibrate_capped(acc.epsilon_budget(2.0, 1e-5), acc.gaussian, acc.gaussian, 1e-3, 1e4, cap=cap)
+    with pytest.raises(TypeError, match="cap must be None or the CalibrationResult"):
+        calibrate_capped(budget, acc.gaussian, acc.gaussian, 1e-3, 1e4, cap=2.0)
+
+
+def test_a_process_above_its_cap_is_an_error_not_a_silent_guess():
+    with pytest.raises(RuntimeError, match="cap_factory does not cap process_factory"):
+        calibrate_capped(acc.epsilon_budget(3.0, 1e-5), lambda p: acc.gaussian(0.9 * p), acc.gaussian, 1e-3, 1e4)
+
+
+def test_capped_amplified_balls_in_bins_matches_the_slow_search():
+    # The amplified balls-in-bins bound (capped by the unamplified one) on a small run: the fast
+    # search agrees with calibrate over the whole range at rtol 1e-6, within its own tolerance.
+    from opake.dpftrl.accounting import balls_in_bins, mf_gaussian
+    from opake.dpftrl.noise import blt_strategy
+
+    strategy = blt_strategy(max_buffers=3)
+    budget = acc.epsilon_budget(3.0, 1e-5)
+
+    def amplified(sigma):
+        return balls_in_bins(mf_gaussian(sigma, strategy), num_bins=10, n_steps=20, method="amplified")
+
+    def unamplified(sigma):
+        return balls_in_bins(mf_gaussian(sigma, strategy), num_bins=10, n_steps=20, method="rigorous")
+
+    fast = calibrate_capped(budget, amplified, unamplified, 1e-3, 1e4)
+    slow = acc.calibrate(budget, amplified, 1e-3, 1e4, rtol=1e-6)
+    assert amplified(fast.param).epsilon_at(1e-5) <= 3.0
+    assert slow.param / (1 + 1e-6) <= fast.param <= slow.param * (1 + 2e-3)
+    assert fast.param <= acc.calibrate(budget, unamplified, 1e-3, 1e4).param
+    assert fast.num_evaluations <= 4 < slow.num_evaluations

@@ -5,9 +5,19 @@ one meeting (epsilon, delta) for the context, without amplification (``mf_gaussi
 Gaussian with noise multiplier sigma / S).
 
 ``plan_dataset`` (a data set, a batch size and a number of epochs): each strategy with the
-sampler it is run with and the accountant that prices that sampler, amplified where a proven
+sampler it is run with and the accountant that prices that sampler, amplified where an
 amplified bound exists (balls-in-bins RDP for BLT, Band23 Thm 4 PLD for BandMF and Poisson
-DP-SGD), with the unamplified rows kept for reference.
+DP-SGD), with the unamplified rows kept for reference. The BLT's amplified bound prices the
+aligned dominating pair, which is not proven for adaptively chosen gradients when bins interact
+(docs/adaptivity.md; ``balls_in_bins`` warns): its row says so.
+
+Time: planning a million examples takes seconds, not minutes: the amplified bound (seconds per
+evaluation) is calibrated from the unamplified noise multiplier (``calibrate_capped``, 1 to 5
+evaluations), the bands are ranked on a coarse PLD grid and the search over them stops once
+the error rises, and the PLD rows are priced on a 1e-3 grid. Every returned noise multiplier
+is an exact evaluation of its row's bound, with epsilon within 0.1% of the target (or the
+noise multiplier within 0.01% of the smallest one that meets it). ``progress`` (None: on when
+stderr is a terminal) reports each stage on stderr (``opake.progress``).
 
 Error: with clipping norm 1, the error of step t's prefix sum of the noise has standard
 deviation sigma * sqrt(e_t), e_t the squared norm of row t of A C^{-1} (A the prefix sums), so
@@ -23,22 +33,34 @@ import numbers
 from dataclasses import dataclass
 
 from opake.accounting import calibrate, calibrate_near, epsilon_budget
+from opake.accounting.calibrate import calibrate_capped
 from opake.dpftrl.accounting import balls_in_bins, mf_gaussian, poisson
 from opake.dpftrl.accounting.poisson import banded_column_norm, noise_multiplier_guess
 from opake.dpftrl.noise import band_mf_strategy, blt_strategy, identity_strategy
 from opake.dpftrl.participation import Participation
+from opake.progress import Progress, calibration_reporter
 
 _FLOAT32_BYTES = 4
 _ERRORS = ("max", "mean")
 
-# PLD grid used only to *choose* the number of bands (ranking candidates); the chosen strategy
-# is then calibrated on poisson()'s default grid (1e-4). At 1e-3 the epsilons of the candidates
-# differ from the 1e-4 ones by about 1e-4 relative at epsilon ~ 3, far below the gaps between
-# candidates, and each PLD evaluation is about 8x faster.
-CHOICE_DISCRETIZATION = 1e-3
-_CHOICE_RTOL = 1e-4
-_RTOL = 1e-5
+# PLD grids. The pessimistic discretization rounds privacy losses up, so every grid gives an
+# upper bound; a coarser one is looser and faster. The rows are priced on PLD_DISCRETIZATION:
+# its epsilons exceed those of poisson()'s default grid (1e-4) by about 2e-4 relative at epsilon
+# 3 (sigma about 1e-4 higher), and each evaluation is about 8x faster (a million examples: 0.2 s
+# instead of 1.6 s for Poisson DP-SGD). The bands are *chosen* on CHOICE_DISCRETIZATION, another
+# 6x faster: its sigmas are 0.02% (many bands) to 3% (DP-SGD over 15,000 steps) higher, well
+# below the gaps between the candidates that compete (the chosen one is then priced on the row grid).
+PLD_DISCRETIZATION = 1e-3
+CHOICE_DISCRETIZATION = 1e-2
+_CHOICE_RTOL = 1e-3
+# Rows: a parameter within 0.01% of the smallest meeting the budget, or epsilon within 0.1% of the
+# target (calibrate_capped's defaults, with which make_private calibrates the amplified bound).
+_RTOL = 1e-4
+_EPSILON_RTOL = 1e-3
 _SIGMA_RANGE = (1e-2, 1e4)
+# make_private's range for balls in bins (its unamplified calibration is the amplified one's cap):
+# the same range, so that plan_dataset's "BLT amplified" row is make_private's noise multiplier.
+_BINS_SIGMA_RANGE = (1e-3, 1e4)
 
 
 @dataclass(frozen=True)
@@ -127,22 +149,33 @@ def plan_run(
     max_buffers: int = 10,
     error: str = "max",
     extra_strategies: tuple = (),
+    progress: bool | Progress | None = None,
 ) -> Plan:
-    """Calibrated comparison of BLT, DP-SGD (identity) and any ``extra_strategies`` (name, recipe)."""
+    """Calibrated comparison of BLT, DP-SGD (identity) and any ``extra_strategies`` (name, recipe).
+
+    ``progress``: None (report the stages on stderr when it is a terminal), True or False.
+    """
     ctx = Participation(n_steps, min_sep, max_participations)
     budget = epsilon_budget(epsilon, delta)
     strategies = (("BLT", blt_strategy(max_buffers=max_buffers, error=error)),) + tuple(extra_strategies) + (
         ("DP-SGD", identity_strategy()),
     )
-    rows = []
-    for name, strategy in strategies:
-        mech = strategy.resolve(ctx)
-        result = calibrate(
-            budget,
-            lambda sigma, s=strategy: mf_gaussian(sigma, s, ctx.n_steps, ctx.min_sep, ctx.max_participations),
-            param_min=1e-3, param_max=1e4,
-        )
-        rows.append(_row(name, strategy, mech, result))
+    progress = Progress.of(progress)
+    summary = None
+    try:
+        rows = []
+        for name, strategy in strategies:
+            with progress.stage(f"{name}: resolving the strategy for {ctx}"):
+                mech = strategy.resolve(ctx)
+            result = calibrate(
+                budget,
+                lambda sigma, s=strategy: mf_gaussian(sigma, s, ctx.n_steps, ctx.min_sep, ctx.max_participations),
+                param_min=1e-3, param_max=1e4,
+            )
+            rows.append(_row(name, strategy, mech, result))
+        summary = f"planned {len(rows)} strategies"
+    finally:
+        progress.close(summary)
     return Plan(participation=ctx, epsilon=float(epsilon), delta=float(delta), rows=tuple(rows))
 
 
@@ -154,6 +187,7 @@ def cyclic_poisson_bands(
     delta: float,
     *,
     error: str = "max",
+    progress: bool | Progress | None = None,
 ) -> int:
     """Number of bands for BandMF under cyclic Poisson sampling (Band23 Thm 4) for this run.
 
@@ -165,17 +199,24 @@ def cyclic_poisson_bands(
     ``band_mf_strategy(bands=b, error=error)``. Its noise multiplier sigma_b is calibrated to
     (epsilon, delta) over ``poisson(mf_gaussian(sigma, strategy), q, n_steps)``, and its RMSE is
     sigma_b * sqrt(max_t e_t) (``error="max"``) or sigma_b * sqrt(mean_t e_t) (``"mean"``) of the
-    noise's prefix sums. The returned b has the smallest RMSE; ties go to fewer bands.
+    noise's prefix sums. The candidates are tried in increasing b until one's RMSE exceeds the
+    smallest so far; the returned b has the smallest RMSE seen; ties go to fewer bands.
 
     More bands spread the noise's correlation further but raise q (b times) and divide the
-    compositions by b, so amplification weakens: the choice is the trade-off between the two.
+    compositions by b, so amplification weakens: the choice is the trade-off between the two,
+    and the RMSE falls and then rises with b (stopping at the first rise skips the largest
+    candidates, whose strategies take the longest to optimize).
 
-    Speed: the ranking uses a PLD grid of ``CHOICE_DISCRETIZATION`` (1e-3, coarser than
-    ``poisson``'s default 1e-4) and a relative tolerance of 1e-4 on sigma; the chosen strategy is
-    calibrated again on the default grid by ``plan_dataset``.
+    Speed: the ranking uses a PLD grid of ``CHOICE_DISCRETIZATION`` (1e-2, coarser than
+    ``poisson``'s default 1e-4) and a relative tolerance of 1e-3 on sigma (or on epsilon); the
+    chosen strategy is calibrated again on the rows' grid by ``plan_dataset``.
     """
     run = DatasetRun(num_examples, batch_size, epochs)
-    return _best(_band_candidates(run, epsilon_budget(epsilon, delta), _check_error(error)))[0]
+    progress = Progress.of(progress)
+    try:
+        return _best(_band_candidates(run, epsilon_budget(epsilon, delta), _check_error(error), progress))[0]
+    finally:
+        progress.close()
 
 
 def plan_dataset(
@@ -187,6 +228,7 @@ def plan_dataset(
     *,
     max_buffers: int = 10,
     error: str = "max",
+    progress: bool | Progress | None = None,
 ) -> Plan:
     """Calibrated comparison for a data set: each strategy with its sampler and accountant.
 
@@ -194,46 +236,67 @@ def plan_dataset(
 
     * "BLT", balls-in-bins sampler (num_bins = num_examples // batch_size bins, min_sep =
       num_bins, max_participations = epochs), unamplified (``balls_in_bins``, rigorous);
-    * "BLT amplified", same sampler, the proven amplified bound (``method="amplified"``: Renyi and direct hockey-stick);
+    * "BLT amplified", same sampler, the amplified bound of the aligned pair (``method="amplified"``:
+      Renyi and direct hockey-stick; not proven for adaptive gradients, docs/adaptivity.md);
     * "BandMF", cyclic Poisson with ``cyclic_poisson_bands`` groups, PLD (Band23 Thm 4);
     * "DP-SGD Poisson", Poisson sampling at rate batch_size / num_examples each step, PLD: the
       DP-SGD Opacus users run;
     * "DP-SGD unampl.", balls-in-bins without amplification, for reference.
 
     RMSE values are of the noise alone (clip norm 1, before dividing by the batch size); the
-    variance of Poisson batch sizes is not counted.
+    variance of Poisson batch sizes is not counted. The PLD rows are priced on a grid of
+    ``PLD_DISCRETIZATION`` (module comment). ``progress``: None (report the stages on stderr when
+    it is a terminal), True or False.
     """
     run = DatasetRun(num_examples, batch_size, epochs)
     budget = epsilon_budget(epsilon, delta)
     error = _check_error(error)
+    progress = Progress.of(progress)
+    summary = None
+    try:
+        plan = _plan_dataset(run, budget, max_buffers, error, progress)
+        summary = f"planned {len(plan.rows)} rows"
+        return plan
+    finally:
+        progress.close(summary)
+
+
+def _plan_dataset(run: DatasetRun, budget, max_buffers: int, error: str, progress: Progress) -> Plan:
     num_bins, n = run.num_bins, run.n_steps
     ctx = Participation(n, num_bins, -(-n // num_bins))
     bins = f"balls-in-bins: {num_bins} bins, bin t mod {num_bins} at step t"
     unamplified = f"unamplified Gaussian bound (min_sep={num_bins}, k={ctx.max_participations})"
     rows = []
+    caps = []
     for name, strategy in (("BLT", blt_strategy(max_buffers=max_buffers, error=error)),
                            ("DP-SGD unampl.", identity_strategy())):
-        mech = strategy.resolve(ctx)
+        with progress.stage(f"{name}: resolving the strategy for {ctx}"):
+            mech = strategy.resolve(ctx)
         result = calibrate(
             budget,
             lambda sigma, s=strategy: balls_in_bins(mf_gaussian(sigma, s), num_bins, n, method="rigorous"),
-            param_min=1e-3, param_max=1e4,
+            *_BINS_SIGMA_RANGE,
         )
+        caps.append(result)
         rows.append(_row(name, strategy, mech, result, bins, unamplified))
     blt_row = rows[0]
     # the amplified bound is capped by the unamplified one, so the unamplified sigma meets the budget
-    amplified = calibrate_near(
-        budget, lambda sigma: balls_in_bins(mf_gaussian(sigma, blt_row.strategy), num_bins, n, method="amplified"),
-        blt_row.noise_multiplier, _SIGMA_RANGE[0], blt_row.noise_multiplier, rtol=_RTOL,
-    )
+    with progress.stage(f"BLT amplified: calibrating the noise multiplier ({num_bins} bins)"):
+        amplified = calibrate_capped(
+            budget, lambda sigma: balls_in_bins(mf_gaussian(sigma, blt_row.strategy), num_bins, n, method="amplified"),
+            lambda sigma: balls_in_bins(mf_gaussian(sigma, blt_row.strategy), num_bins, n, method="rigorous"),
+            *_BINS_SIGMA_RANGE, cap=caps[0], on_evaluation=calibration_reporter(progress, budget.epsilon),
+        )
     rows.insert(1, _row("BLT amplified", blt_row.strategy, blt_row.mechanism, amplified, bins,
-                        "proven amplified bound for balls-in-bins (Renyi, direct hockey-stick)"))
+                        "amplified bound of the aligned dominating pair (Renyi, direct hockey-stick); not proven "
+                        "for adaptively chosen gradients when bins interact, as a BLT's do (docs/adaptivity.md)"))
 
-    candidates = _band_candidates(run, budget, error)
+    candidates = _band_candidates(run, budget, error, progress)
     bands, band_sigma, _ = _best(candidates)
     q_bands = run.batch_size * bands / run.num_examples
     band_strategy = identity_strategy() if bands == 1 else band_mf_strategy(bands=bands, error=error)
-    result = _refined(budget, lambda sigma: poisson(mf_gaussian(sigma, band_strategy), q_bands, n), band_sigma)
+    with progress.stage(f"BandMF: calibrating {bands} band(s) on the PLD grid {PLD_DISCRETIZATION:g}"):
+        result = _refined(budget, band_strategy, q_bands, n, band_sigma, progress)
     rows.insert(2, _row(
         "BandMF", band_strategy, result.process.mechanism, result,
         f"cyclic Poisson: {bands} group(s), rate {q_bands:.4g} in the served group",
@@ -241,35 +304,58 @@ def plan_dataset(
     ))
     q = run.sample_rate
     identity = identity_strategy()
-    result = _refined(budget, lambda sigma: poisson(mf_gaussian(sigma, identity), q, n), candidates[0][1])
+    with progress.stage(f"DP-SGD Poisson: calibrating on the PLD grid {PLD_DISCRETIZATION:g}"):
+        result = _refined(budget, identity, q, n, candidates[0][1], progress)
     rows.insert(3, _row("DP-SGD Poisson", identity, result.process.mechanism, result,
                         f"Poisson: each example with probability {q:.4g} at every step", "PLD (as Opacus)"))
     return Plan(participation=ctx, epsilon=budget.epsilon, delta=budget.delta, rows=tuple(rows), dataset=run)
 
 
-def _band_candidates(run: DatasetRun, budget, error: str) -> list:
-    """(bands, noise multiplier, RMSE) of every candidate of ``cyclic_poisson_bands``'s rule.
+def _band_candidates(run: DatasetRun, budget, error: str, progress: Progress) -> list:
+    """(bands, noise multiplier, RMSE) of the candidates ``cyclic_poisson_bands``'s rule tries.
 
-    The noise multipliers are calibrated on the coarse ``CHOICE_DISCRETIZATION`` grid: good for
-    ranking and as starting points, not for running (``_refined`` recalibrates the chosen one).
+    In increasing bands, up to the first whose RMSE exceeds the smallest so far. The noise
+    multipliers are calibrated on the coarse ``CHOICE_DISCRETIZATION`` grid: good for ranking
+    and as starting points, not for running (``_refined`` recalibrates the chosen one).
     """
     candidates = []
-    bands = 1
+    bands, correction, slope = 1, 1.0, None
     while bands <= max(1, run.num_bins // 2):
         q = run.batch_size * bands / run.num_examples
         strategy = identity_strategy() if bands == 1 else band_mf_strategy(bands=bands, error=error)
         compositions = -(-run.n_steps // bands)
-        mech = strategy.resolve(run.n_steps, bands, compositions)
-        result = calibrate_near(
-            budget,
-            lambda sigma, s=strategy, q=q: poisson(mf_gaussian(sigma, s), q, run.n_steps,
-                                                   value_discretization_interval=CHOICE_DISCRETIZATION),
-            noise_multiplier_guess(q, compositions, banded_column_norm(mech), budget), *_SIGMA_RANGE,
-            rtol=_CHOICE_RTOL,
-        )
-        candidates.append((bands, result.param, _rmse(result.param, mech, error)))
+        evaluated = []
+        with progress.stage(f"choosing the bands: {bands} band(s)"):
+            mech = strategy.resolve(run.n_steps, bands, compositions)
+            # The central-limit guess errs smoothly in the bands, so the last candidate's ratio of
+            # answer to guess corrects it, and the last candidate's local slope starts the search.
+            guess = noise_multiplier_guess(q, compositions, banded_column_norm(mech), budget)
+            result = calibrate_near(
+                budget,
+                lambda sigma, s=strategy, q=q: poisson(mf_gaussian(sigma, s), q, run.n_steps,
+                                                       value_discretization_interval=CHOICE_DISCRETIZATION),
+                guess * correction, *_SIGMA_RANGE, rtol=_CHOICE_RTOL, epsilon_rtol=_CHOICE_RTOL, slope=slope,
+                on_evaluation=lambda sigma, epsilon: evaluated.append((sigma, epsilon)),
+            )
+        correction, slope = result.param / guess, _local_slope(evaluated, budget.epsilon) or slope
+        rmse = _rmse(result.param, mech, error)
+        candidates.append((bands, result.param, rmse))
+        if rmse > min(candidate[2] for candidate in candidates):
+            break  # the error has turned upward: more bands only weaken the amplification further
         bands *= 2
     return candidates
+
+
+def _local_slope(evaluated: list, target: float) -> float | None:
+    """d ln epsilon / d ln sigma between the two evaluations nearest the target (None if not falling)."""
+    usable = [(s, e) for s, e in evaluated if 0.0 < e < math.inf]
+    if len(usable) < 2:
+        return None
+    (s1, e1), (s2, e2) = sorted(usable, key=lambda point: abs(math.log(point[1] / target)))[:2]
+    if s1 == s2:
+        return None
+    slope = (math.log(e1) - math.log(e2)) / (math.log(s1) - math.log(s2))
+    return slope if math.isfinite(slope) and slope < 0.0 else None
 
 
 def _best(candidates: list) -> tuple:
@@ -281,13 +367,24 @@ def _best(candidates: list) -> tuple:
     return best
 
 
-def _refined(budget, factory, coarse_sigma: float):
-    """Calibrate on the default PLD grid, starting from a noise multiplier found on a coarser one.
+def _refined(budget, strategy, sample_rate: float, n_steps: int, coarse_sigma: float, progress: Progress):
+    """Calibrate on the rows' PLD grid, starting from a noise multiplier found on the coarser one.
 
-    The grids' epsilons differ by ~1e-4 relative, so the answer is within 0.1% of
-    ``coarse_sigma``: a tight bracket takes a handful of slow fine-grid evaluations, not ~15.
+    The coarse grid's sigmas are 0.02% to 3% higher. The search starts there and takes its first
+    step along the coarse curve's slope (d ln epsilon / d ln sigma over the 1% below, two cheap
+    coarse evaluations; the PLD curves are 2 to 4 times steeper than epsilon ~ 1/sigma), so it
+    needs 1 to 3 row-grid evaluations, not ~15.
     """
-    return calibrate_near(budget, factory, coarse_sigma, *_SIGMA_RANGE, spread=1.001, rtol=_RTOL)
+    def on_grid(interval):
+        return lambda sigma: poisson(mf_gaussian(sigma, strategy), sample_rate, n_steps,
+                                     value_discretization_interval=interval)
+
+    coarse = on_grid(CHOICE_DISCRETIZATION)
+    here, below = (coarse(sigma).epsilon_at(budget.delta) for sigma in (coarse_sigma, coarse_sigma * math.exp(-0.01)))
+    slope = (math.log(below) - math.log(here)) / -0.01 if 0.0 < here < below < math.inf else None
+    return calibrate_near(budget, on_grid(PLD_DISCRETIZATION), coarse_sigma, *_SIGMA_RANGE, spread=1.1, rtol=_RTOL,
+                          epsilon_rtol=_EPSILON_RTOL, slope=slope,
+                          on_evaluation=calibration_reporter(progress, budget.epsilon))
 
 
 def _rmse(sigma: float, mech, error: str) -> float:
