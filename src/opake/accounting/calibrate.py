@@ -35,6 +35,7 @@ cap (the amplified balls-in-bins bound under the unamplified one) from the cap's
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from dataclasses import dataclass
@@ -73,7 +74,8 @@ class CalibrationResult:
     Fields:
       param: the returned parameter (e.g. noise multiplier); meets the budget.
       epsilon: ``process.epsilon_at(budget.delta)``, <= budget.epsilon.
-      delta: ``process.delta_at(budget.epsilon)``, <= budget.delta.
+      delta (a property, computed on first use: for an amplified bound it costs about as much
+        as an evaluation): ``process.delta_at(budget.epsilon)``, <= budget.delta.
       budget: the target.
       process: ``process_factory(param)``.
       param_failing: the largest parameter seen that does not meet the budget; the smallest
@@ -88,13 +90,16 @@ class CalibrationResult:
 
     param: float
     epsilon: float
-    delta: float
     budget: EpsilonBudget
     process: object
     param_failing: float | None
     rtol: float
     num_evaluations: int
     epsilon_rtol: float | None = None
+
+    @functools.cached_property
+    def delta(self) -> float:
+        return float(self.process.delta_at(self.budget.epsilon))
 
 
 @dataclass(frozen=True)
@@ -178,7 +183,6 @@ class _Evaluations:
         return CalibrationResult(
             param=passing.param,
             epsilon=passing.epsilon,
-            delta=float(passing.process.delta_at(self.budget.epsilon)),
             budget=self.budget,
             process=passing.process,
             param_failing=None if failing is None else failing.param,
