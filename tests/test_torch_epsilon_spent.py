@@ -71,13 +71,23 @@ def test_unamplified_spent_epsilon_is_the_dense_leading_block_s(strategy):
     assert all(a <= b for a, b in zip(spent, spent[1:]))
 
 
+@pytest.mark.filterwarnings("ignore::opake.dpftrl.accounting.UnprovenAmplificationWarning")
 def test_amplified_spent_epsilon_grows_to_the_planned_one():
-    private, spent = _run(batch_size=6, epochs=3, target_epsilon=4.0, strategy=blt_strategy(max_buffers=2))
+    private, spent = _run(batch_size=6, epochs=3, target_epsilon=4.0, strategy=blt_strategy(max_buffers=2),
+                          amplification=True)
     assert private.plan.accounting == "amplified"
     assert spent[0] == 0.0 and spent[-1] == private.epsilon
     assert all(0.0 <= value <= private.epsilon for value in spent)
     assert all(a <= b + 1e-12 for a, b in zip(spent, spent[1:]))
     assert spent[len(spent) // 3] < 0.8 * private.epsilon      # one epoch of three costs clearly less
+
+
+def test_dp_sgd_on_bins_spent_epsilon_is_the_random_allocation_pld_of_the_steps_so_far():
+    private, spent = _run(batch_size=6, epochs=2, target_epsilon=4.0, strategy=identity_strategy())
+    assert private.plan.accounting == "allocation_pld"
+    assert spent[0] == 0.0 and spent[-1] == private.epsilon
+    assert all(0.0 <= value <= private.epsilon for value in spent)
+    assert all(a <= b + 1e-12 for a, b in zip(spent, spent[1:]))
 
 
 @pytest.mark.parametrize("strategy", [identity_strategy(), band_mf_strategy(bands=2)])

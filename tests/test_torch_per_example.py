@@ -22,6 +22,7 @@ from opake.torch.per_example import (
 from opake.torch.per_example.rules import conv as conv_rules
 from opake.torch.per_example.rules import embedding as embedding_rules
 from opake.torch.per_example.rules import linear as linear_rules
+from opake.torch.per_example.rules import tied as tied_rules
 from tests.torch_per_example_support import (
     assert_sums_close,
     check_against_reference,
@@ -84,20 +85,25 @@ def test_linear_routes_match_reference(shape, route, kept):
 
 
 @pytest.mark.parametrize(
-    ("length", "width_in", "width_out", "route"),
+    ("length", "width_in", "width_out", "route", "kept"),
     [
-        (1, 64, 64, "outer"),
-        (32, 32, 96, "direct"),  # tiny GPT-2's c_attn: 32 x 128 >= 3072
-        (9, 32, 96, "ghost"),  # 9 x 128 < 3072
-        (128, 768, 768, "ghost"),  # 128 x 1536 < 768^2
-        (1024, 768, 3072, "direct"),  # 1024 x 3840 >= 768 x 3072
+        (1, 64, 64, "outer", False),
+        # norms alone: ghost when T (in + out) < in * out; kept for both passes when
+        # T^2 (in + out) >= 16 in * out (KEPT_COST, rules/linear.py)
+        (32, 32, 96, "direct", True),  # 32 x 128 >= 3072; 1024 x 128 >= 16 x 3072
+        (9, 32, 96, "ghost", False),  # 9 x 128 < 3072; 81 x 128 < 16 x 3072
+        (64, 128, 512, "ghost", True),  # GPT-2 c_fc at T = 64: 64 x 640 < 65536; 4096 x 640 >= 16 x 65536
+        (16, 768, 768, "ghost", False),  # 16 x 1536 < 768^2; 256 x 1536 < 16 x 768^2
+        (128, 768, 768, "ghost", True),  # 128 x 1536 < 768^2; 16384 x 1536 >= 16 x 768^2
+        (2, 2, 2, "direct", False),  # 2 x 4 >= 4; 4 x 4 < 16 x 4
+        (1024, 768, 3072, "direct", True),  # 1024 x 3840 >= 768 x 3072
     ],
 )
-def test_linear_route_is_chosen_by_multiply_adds(length, width_in, width_out, route):
+def test_linear_route_is_chosen_by_multiply_adds(length, width_in, width_out, route, kept):
     stored, grad = torch.zeros(2, length, width_in), torch.zeros(2, length, width_out)
     assert linear_rules._weight_route(stored, grad) == route
     offered = linear_rules.RULE.materialized(None, stored, [grad], ("weight", "bias"))
-    assert offered == (("bias", "weight") if route == "direct" else ("bias",))
+    assert offered == (("bias", "weight") if kept else ("bias",))
 
 
 @given(
@@ -228,22 +234,35 @@ def test_kept_gradients_stay_within_the_budget():
     assert sorted(kept) == [(1, ("weight", "bias")), (4, ("weight", "bias")), (8, ("bias",))]
 
 
+@pytest.mark.parametrize("kept", [False, True])
 @pytest.mark.parametrize("padding_idx", [None, 0, 3])
 @pytest.mark.parametrize("token_shape", [(), (6,), (2, 3)])
-def test_embedding_with_repeated_and_padding_tokens(padding_idx, token_shape):
+def test_embedding_with_repeated_and_padding_tokens(padding_idx, token_shape, kept):
+    # Both routes: ghost norms with the index_add sum, and the per-example tables kept.
     torch.manual_seed(0)
     model = nn.Sequential(nn.Embedding(5, 3, padding_idx=padding_idx), nn.Tanh()).to(F64)
     tokens = torch.randint(0, 5, (4, *token_shape), generator=_seeded(2))  # vocab 5: repeats
     tokens.view(-1)[::4] = 0 if padding_idx is None else padding_idx
-    check_against_reference(model, tokens, _targets_like(model, tokens))
+    with mock.patch.object(embedding_rules.EmbeddingRule, "materialized",
+                           lambda self, module, stored, grads, names: tuple(names) if kept else ()):
+        check_against_reference(model, tokens, _targets_like(model, tokens))
 
 
 @pytest.mark.parametrize(
     ("table", "length", "offered"),
-    [((32, 32), 32, True), ((50257, 768), 128, False), ((5, 3), 6, True), ((5, 3), 1, False)],
+    [
+        ((32, 32), 32, True),  # 16 x 1024 <= 32^2 x 33
+        ((128, 128), 64, True),  # tiny GPT-2's positions: 16 x 16384 <= 64^2 x 129
+        ((2048, 128), 64, False),  # tiny Llama's tokens: 16 x 262144 > 64^2 x 129
+        ((50257, 768), 128, False),
+        ((5, 3), 8, True),  # 16 x 15 <= 64 x 4
+        ((5, 3), 6, False),  # 16 x 15 > 36 x 4
+        ((5, 3), 1, False),
+    ],
 )
 def test_embedding_small_tables_are_formed_per_example(table, length, offered):
-    # vocab x dim against T^2 (dim + 1): GPT-2's position table at its length, not its tokens.
+    # 16 vocab x dim (KEPT_COST per element kept) against T^2 (dim + 1): GPT-2's position table
+    # at its length, not its tokens.
     layer = nn.Embedding(*table, device="meta")
     tokens = torch.zeros(2, length, dtype=torch.long)
     assert embedding_rules.RULE.materialized(layer, tokens, [None], ("weight",)) == (("weight",) if offered else ())
@@ -446,6 +465,40 @@ def test_tied_weights_are_one_parameter_with_summed_contributions():
     assert "tokens.weight" in sums and "head.weight" not in sums
     expected, _, _ = reference(model, _next_token_loss, tokens, tokens, 1.0)
     assert_sums_close(sums, expected, 1e-10)
+
+
+@pytest.mark.parametrize("padding_idx", [None, 2])
+def test_tied_table_per_example_gradients_match_a_loop(padding_idx):
+    # rules/tied.py per_example_grads against autograd's gradient of the shared table, one example
+    # at a time: embedding (padding_idx kept out), a tanh, then the head multiplying by the table.
+    torch.manual_seed(0)
+    embedding = nn.Embedding(7, 3, padding_idx=padding_idx).to(F64)
+    head = nn.Linear(3, 7, bias=False).to(F64)
+    head.weight = embedding.weight
+    tokens = torch.randint(0, 7, (4, 5), generator=_seeded(5))
+    tokens[0, :3] = 2  # a repeated token (the padding index where there is one)
+
+    def loss_of(looked_up):
+        hidden = torch.tanh(looked_up)
+        logits = head(hidden)
+        return hidden, logits, (logits.sin() * torch.arange(1.0, 8.0, dtype=F64)).sum()
+
+    looked_up = embedding(tokens)
+    hidden, logits, loss = loss_of(looked_up)
+    grad_embedding, grad_logits = torch.autograd.grad(loss, (looked_up, logits))
+    formed = tied_rules.per_example_grads(
+        embedding, tokens, [grad_embedding], hidden.detach(), [grad_logits], F64
+    )
+    for i in range(tokens.shape[0]):
+        expected, = torch.autograd.grad(loss_of(embedding(tokens[i : i + 1]))[2], embedding.weight)
+        torch.testing.assert_close(formed[i], expected, rtol=1e-12, atol=1e-12)
+
+
+def test_tied_table_is_kept_by_the_heads_cost_model():
+    # tiny GPT-2's head at T = 64: 64^2 x (128 + 2048) >= 16 x 128 x 2048; not at T = 8.
+    stored, grad = torch.zeros(2, 64, 128), torch.zeros(2, 64, 2048)
+    assert tied_rules.keeps_per_example(stored, [grad])
+    assert not tied_rules.keeps_per_example(stored[:, :8], [grad[:, :8]])
 
 
 def test_layer_called_twice_in_one_pass():

@@ -17,6 +17,11 @@ here rather than priced wrongly:
 What this cannot see: a loop that takes batch t from the planned loader and then trains on a
 different batch of exactly the same size. The documented loops (``for batch in loader``) never do.
 
+Privacy units (``make_private(..., privacy_unit=...)``): the sampler is a ``UnitSampler`` and
+``units(step)`` gives the unit of every row of a batch. Serving a batch (``serve``) calls
+``on_serve(step)``, which hands those units to the clipper before the loop sees the batch, so
+that each unit's rows are clipped together.
+
 ``PlannedDataLoader`` is a ``torch.utils.data.DataLoader`` whose every pass (``iter``) serves the
 steps from the next untaken one to the end of its epoch, as PyTorch loops expect
 (``for epoch in range(E): for batch in loader``); ``whole_run=True`` serves every remaining step
@@ -56,6 +61,7 @@ class PlannedBatches:
         self.part = part
         self.next_step: Callable[[], int] = lambda: 0
         self.served: int | None = None  # the step whose batch a planned loader handed out last
+        self.on_serve: Callable[[int], None] | None = None  # called with the step as its batch is served
 
     @property
     def epochs(self) -> int:
@@ -65,6 +71,20 @@ class PlannedBatches:
         """This rank's part of batch ``step`` (dataset indices)."""
         index, count = self.part
         return self.sampler.batch(step)[index::count].tolist()
+
+    def units(self, step: int) -> list[int] | None:
+        """The privacy unit of each row of ``indices(step)``, or None when the unit is the example."""
+        units_of_batch = getattr(self.sampler, "units_of_batch", None)
+        if units_of_batch is None:
+            return None
+        index, count = self.part
+        return units_of_batch(step)[index::count].tolist()
+
+    def serve(self, step: int) -> None:
+        """Record that batch ``step`` is handed to the training loop now (``on_serve`` first)."""
+        if self.on_serve is not None:
+            self.on_serve(step)
+        self.served = step
 
     def pass_range(self, whole_run: bool) -> range:
         """The steps a pass started now serves: to the end of the next step's epoch, or of the run."""
@@ -142,5 +162,5 @@ class PlannedDataLoader(torch.utils.data.DataLoader):
         batches = super().__iter__()
         steps = self.batch_sampler.steps
         for step, batch in zip(steps, batches):
-            self.planned.served = step
+            self.planned.serve(step)
             yield batch

@@ -141,6 +141,8 @@ class DPOptimizer(torch.optim.Optimizer):
             sums = self.clipper.clipped_sum()
             examples = self.clipper.examples
         except ClipperUsageError:
+            if self.clipper.passes:  # backward passes were clipped: a misuse the clipper named
+                raise
             if self.batches.indices(step):
                 raise ClipperUsageError(
                     f"optimizer.step() was called without a backward pass since zero_grad(), but planned batch "

@@ -58,6 +58,11 @@ batch (``batch[rank::world_size]``), its clipped sums are all-reduced, and the n
 the sharded engine (each rank keeps buffers for what it owns): the run equals one process on
 the same global batches. Pass the plain module, not ``DistributedDataParallel(module)``.
 
+User-level privacy (``privacy_unit=ids``, one id per example): the protected unit is all the
+examples of one id (a user). Users are put in the bins (or Poisson groups), ``batch_size``
+counts users per batch, each user's summed gradient is clipped, and the accountant prices users
+as it priced examples (``opake.torch.privacy_units``). Not combined with torch.distributed.
+
 Randomness: ``key`` (an ``opake.random.RngKey``) seeds the sampler and the noise; without one,
 a 128-bit key is drawn from the operating system (``secrets``), as SECURITY.md recommends for
 published runs, and kept in ``state_dict()`` so that a resumed run continues the same bins.
@@ -86,12 +91,13 @@ from opake.dpftrl.strategies.band_mf import BandMFStrategy
 from opake.dpftrl.strategies.prefix import PrefixStrategy
 from opake.dpftrl.strategies.strategy import IdentityStrategy
 from opake.dpftrl.participation import Participation
-from opake.dpftrl.sampling import BallsInBinsSampler, CyclicPoissonSampler
+from opake.dpftrl.sampling import BallsInBinsSampler, CyclicPoissonSampler, UnitSampler
 from opake.random import RngKey, key as make_key
 from opake.torch.loader import PlannedBatches, PlannedDataLoader
 from opake.torch.losses import PerExampleLoss
 from opake.torch.optimizer import DPOptimizer
 from opake.torch.per_example import PerExampleClipper
+from opake.torch.privacy_units import checkpoint_name, description, privacy_units
 from opake.dpftrl.sampling import collate_allowing_empty
 from opake.torch.validation import require_valid_model, trainable_parameters
 
@@ -232,7 +238,8 @@ class PrivateTraining:
             "plan": {"n_steps": self.plan.participation.n_steps, "num_bins": self.plan.num_bins,
                      "noise_multiplier": self.plan.noise_multiplier, "max_grad_norm": self.plan.max_grad_norm,
                      "sampling": self.plan.sampling, "accounting": self.plan.accounting,
-                     "num_groups": self.plan.num_groups, "sample_rate": self.plan.sample_rate},
+                     "num_groups": self.plan.num_groups, "sample_rate": self.plan.sample_rate,
+                     "privacy_unit": checkpoint_name(getattr(self.optimizer.batches.sampler, "units", None))},
             "module": self.module.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "noise": self.optimizer.noise_state.state_dict(),
@@ -250,13 +257,13 @@ class PrivateTraining:
         if state_dict.get("version") != _VERSION:
             raise ValueError(f"checkpoint version {state_dict.get('version')!r} is not supported (reads {_VERSION})")
         mine = self.state_dict()
-        saved_plan = {**_PLAN_BEFORE_SAMPLING, **state_dict["plan"]}
+        saved_plan = {**_PLAN_BEFORE_SAMPLING, "privacy_unit": checkpoint_name(None), **state_dict["plan"]}
         if saved_plan.get("accounting") == "rdp":  # the amplified bound's old name
             saved_plan["accounting"] = "amplified"
         if state_dict["key"] != mine["key"] or saved_plan != mine["plan"]:
             raise ValueError(
-                "this checkpoint belongs to another plan or key (different sampling, bins, horizon, accounting "
-                "or noise); build the run with the same make_private arguments and "
+                "this checkpoint belongs to another plan or key (different sampling, bins, horizon, accounting, "
+                "noise or privacy units); build the run with the same make_private arguments and "
                 "key=opake.random.RngKey.from_hex(saved['key'])"
             )
         noise_state = self.optimizer.noise_state.load_state_dict(state_dict["noise"], draws=draws, fresh_key=fresh_key)
@@ -285,6 +292,7 @@ def make_private(
     process_group=None,
     loss_reduction: str = "mean",
     progress: bool | None = None,
+    privacy_unit=None,
     **loader_options,
 ) -> PrivateTraining:
     """Plan a private run and return the module, optimizer and data loader that carry it out.
@@ -295,6 +303,12 @@ def make_private(
     (``strategy_for_optimizer``); ``loss_reduction`` says whether the loss is the mean (default, as
     ``F.cross_entropy``) or the sum over the batch. Extra keyword arguments go to the
     DataLoader (``num_workers``, ``pin_memory``, ...).
+
+    ``privacy_unit`` (default None: each example is a unit) gives one hashable id per example
+    (a list, array or tensor of user ids; or an ``opake.dpftrl.sampling.PrivacyUnits``) for
+    user-level privacy: users are sampled, ``batch_size`` is the expected number of users per
+    batch, each user's summed gradient is clipped to ``max_grad_norm``, and epsilon is for adding
+    or removing one user with all its examples (docs/torch.md, "User-level privacy").
 
     ``sampling="balls_in_bins"`` (default) works with every strategy. ``amplification=None``
     (default) prices it with the tightest bound proven for adaptively chosen gradients
@@ -335,11 +349,21 @@ def make_private(
     parameters = trainable_parameters(module)
     _check_optimizer_covers(optimizer, module, parameters)
     num_examples = len(dataset)
-    steps_per_epoch = num_examples // batch_size
-    if steps_per_epoch < 1:
+    units = privacy_units(privacy_unit, num_examples)
+    if units is not None and world_size > 1:
         raise ValueError(
-            f"the dataset has {num_examples} examples, fewer than batch_size={batch_size}: there is not "
-            f"one batch per epoch; use batch_size <= {num_examples}"
+            "privacy_unit is not supported under torch.distributed: ranks serve their part of a batch row by "
+            "row, which could split one user's examples across ranks (each rank would clip its part on its "
+            "own). Train user-level runs in one process"
+        )
+    num_drawn = num_examples if units is None else units.num_units  # what the sampler draws
+    steps_per_epoch = num_drawn // batch_size
+    if steps_per_epoch < 1:
+        drawn = f"{num_examples} examples" if units is None else f"{num_drawn} privacy units (users)"
+        raise ValueError(
+            f"the dataset has {drawn}, fewer than batch_size={batch_size}: there is not one batch per epoch; "
+            f"use batch_size <= {num_drawn}" + ("" if units is None else " (with privacy_unit, batch_size counts "
+                                                                         "users per batch)")
         )
     root_key = _shared_key(process_group, world_size) if key is None else key
     if not isinstance(root_key, RngKey):
@@ -348,10 +372,14 @@ def make_private(
     poisson = sampling == "poisson"
     if poisson:
         groups = _poisson_groups(strategy)
-        sampler = CyclicPoissonSampler(num_examples, num_groups=groups,
-                                       sample_rate=_poisson_rate(batch_size, groups, num_examples), key=sampler_key)
+        sampler = CyclicPoissonSampler(num_drawn, num_groups=groups,
+                                       sample_rate=_poisson_rate(batch_size, groups, num_drawn,
+                                                                 "len(dataset)" if units is None else "users"),
+                                       key=sampler_key)
     else:
-        sampler = BallsInBinsSampler(num_examples, steps_per_epoch, sampler_key)
+        sampler = BallsInBinsSampler(num_drawn, steps_per_epoch, sampler_key)
+    if units is not None:  # the same draws over users; each drawn user brings all its examples
+        sampler = UnitSampler(sampler, units)
     participation = sampler.participation(epochs * steps_per_epoch)
     if strategy is None:
         strategy = strategy_for_optimizer(optimizer, participation.n_steps, lr_scheduler)
@@ -382,8 +410,10 @@ def make_private(
                        sigma, epsilon, delta, max_grad_norm, accountant, sampling=sampling, accounting=accounting,
                        num_groups=sampler.num_groups if poisson else None,
                        sample_rate=sampler.sample_rate if poisson else None, steps_per_epoch=steps_per_epoch,
-                       loss=loss_hooks.description or _USER_LOSS[loss_reduction])
+                       loss=loss_hooks.description or _USER_LOSS[loss_reduction], privacy_unit=description(units))
     batches = PlannedBatches(sampler, participation.n_steps, steps_per_epoch, part=(rank, world_size))
+    if units is not None:  # each served batch's users, to the clipper, before the loop sees the batch
+        batches.on_serve = lambda step: clipper.expect_units(batches.units(step))
     private_optimizer = DPOptimizer(optimizer, clipper=clipper, noise_fn=noise_fn, noise_state=noise_state,
                                     parameters=parameters, max_grad_norm=max_grad_norm,
                                     normalization=sampler.expected_batch_size, batches=batches,
@@ -495,12 +525,14 @@ def _poisson_groups(strategy) -> int:
     )
 
 
-def _poisson_rate(batch_size: int, groups: int, num_examples: int) -> float:
-    """q = batch_size * g / len(dataset): a served group of ~len(dataset)/g examples yields ~batch_size."""
+def _poisson_rate(batch_size: int, groups: int, num_examples: int, counted: str = "len(dataset)") -> float:
+    """q = batch_size * g / len(dataset): a served group of ~len(dataset)/g examples yields ~batch_size
+    (with privacy_unit, ``num_examples`` is the number of users, ``counted`` says so, and batch_size
+    counts users)."""
     if batch_size * groups > num_examples:
         raise ValueError(
             f"sampling='poisson' with {groups} group(s) and batch_size={batch_size} needs a sample rate "
-            f"batch_size * groups / len(dataset) = {batch_size * groups}/{num_examples} > 1; use at most "
+            f"batch_size * groups / {counted} = {batch_size * groups}/{num_examples} > 1; use at most "
             f"{num_examples // batch_size} bands or a batch size of at most {num_examples // groups}"
         )
     return batch_size * groups / num_examples
@@ -590,8 +622,8 @@ def _calibrate_noise(accountant, accounting, participation, budget, target_epsil
                      progress=None, unamplified=None):
     """Calibrate sigma to ``budget`` on the plan's accountant; ``progress`` reports the evaluations.
 
-    The amplified bound (seconds per evaluation) goes through ``calibrate_capped`` from the
-    unamplified sigma (1 to 3 evaluations instead of ~20; epsilon within 0.1% of the target, as
+    The amplified bounds (seconds per evaluation) go through ``calibrate_capped`` from the
+    unamplified sigma (1 to 5 evaluations instead of ~20; epsilon within 0.1% of the target, as
     ``opake.plan.plan_dataset`` calibrates it); every result is an exact evaluation at its sigma.
     """
     from opake.accounting.calibrate import calibrate_capped
@@ -611,9 +643,9 @@ def _calibrate_noise(accountant, accounting, participation, budget, target_epsil
                                                budget)
                 result = acc.calibrate_near(budget, accountant, guess, low, high, on_evaluation=report)
         elif accounting in ("amplified", "allocation_pld") and unamplified is not None:
-            # The amplified bound is capped by the unamplified one, so the unamplified bound's
-            # calibrated sigma (microseconds) meets the budget: the search's first guess and upper end.
-            with progress.stage("calibrating the noise multiplier (balls in bins, amplified bound)"):
+            # Both amplified balls-in-bins bounds are capped by the unamplified one, so its calibrated
+            # sigma (microseconds) meets the budget: the search's first guess and upper end.
+            with progress.stage(f"calibrating the noise multiplier (balls in bins, {accounting} bound)"):
                 cap = acc.calibrate(budget, unamplified, low, high)
                 result = calibrate_capped(budget, accountant, unamplified, low, high, cap=cap, on_evaluation=report)
         else:

@@ -6,6 +6,12 @@ A planned batch's size varies (balls in bins draws Binomial bin sizes; a bin can
 runs forward and backward on each before the batch's one optimizer step. Per-example clipping
 makes this exact: every example is clipped on its own whichever micro-batch it is in, and with
 ``loss_reduction="mean"`` the clipper undoes each micro-batch's own 1/size.
+
+With privacy units (``DPTrainer(privacy_unit=...)``) the clipped quantity is a user's summed
+gradient, so all rows of one user must be in one forward pass (the clipper refuses a user split
+across two). ``unit_micro_batches`` cuts at user boundaries instead: users, in the planned
+batch's order, are packed into micro-batches of at most ``per_device_train_batch_size`` rows,
+and a user with more rows than that forms a micro-batch of its own, larger than the setting.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from collections.abc import Mapping
 import optree
 import torch
 
-__all__ = ["EmptyBatchCollator", "batch_size_of", "micro_batches"]
+__all__ = ["EmptyBatchCollator", "batch_size_of", "micro_batches", "unit_micro_batches"]
 
 
 def batch_size_of(batch) -> int:
@@ -38,7 +44,41 @@ def micro_batches(batch, size: int, largest: int) -> list:
     if size == 0:
         return []
     parts = -(-size // largest)
-    if parts == 1:
+    return _cut(batch, size, [len(part) for part in torch.arange(size).tensor_split(parts)])
+
+
+def unit_micro_batches(batch, size: int, largest: int, units) -> list:
+    """``batch`` cut along dimension 0 at unit boundaries: whole units packed in order into parts
+    of at most ``largest`` rows (a unit with more rows is a part of its own). ``units`` is the
+    unit of each row; every unit's rows must be contiguous (as planned batches serve them)."""
+    units = list(units)
+    if len(units) != size:
+        raise ValueError(f"the planned batch has {size} rows but {len(units)} unit numbers")
+    runs: list[int] = []  # rows per unit, in order
+    seen = set()
+    for index, unit in enumerate(units):
+        if index and unit == units[index - 1]:
+            runs[-1] += 1
+            continue
+        if unit in seen:
+            raise ValueError(f"the rows of unit {unit} are not contiguous in the batch; micro-batches cut at unit "
+                             f"boundaries need each unit's rows together (as the planned loader serves them)")
+        seen.add(unit)
+        runs.append(1)
+    sizes: list[int] = []
+    for run in runs:
+        if sizes and sizes[-1] + run <= largest:
+            sizes[-1] += run
+        else:
+            sizes.append(run)
+    return _cut(batch, size, sizes)
+
+
+def _cut(batch, size: int, sizes: list[int]) -> list:
+    """``batch`` cut along dimension 0 into parts of ``sizes`` rows (summing to ``size``)."""
+    if not sizes:
+        return []
+    if len(sizes) == 1:
         return [batch]
     if not isinstance(batch, Mapping):
         raise TypeError(f"DPTrainer cuts planned batches into micro-batches as dicts of tensors; got a "
@@ -51,8 +91,8 @@ def micro_batches(batch, size: int, largest: int) -> list:
                 f"{size} examples on dimension 0. Collate every input as such a tensor, or set "
                 f"per_device_train_batch_size to at least the largest planned batch"
             )
-        pieces[name] = torch.tensor_split(value, parts)
-    return [{name: chunks[i] for name, chunks in pieces.items()} for i in range(parts)]
+        pieces[name] = torch.split(value, sizes)
+    return [{name: chunks[i] for name, chunks in pieces.items()} for i in range(len(sizes))]
 
 
 class EmptyBatchCollator:

@@ -20,6 +20,11 @@ and the training set, so the plan (and epsilon) exists before ``train()``. Then:
   each; an empty planned batch has none, and its step releases noise only. The planned expected
   batch size is ``per_device_train_batch_size x gradient_accumulation_steps``, so accumulation
   keeps its Trainer meaning (more examples per step, the same memory).
+* **Users.** With ``privacy_unit=`` (one user id per training example; ``make_private``'s) the
+  plan samples users: ``per_device_train_batch_size x gradient_accumulation_steps`` is then the
+  expected number of *users* per step, and micro-batches are cut at user boundaries
+  (``batches.unit_micro_batches``): whole users packed into at most
+  ``per_device_train_batch_size`` rows, a user with more rows than that alone in a larger one.
 * **Loss.** ``compute_loss`` is Trainer's without ``num_items_in_batch``: the model's loss is the
   per-example form ``make_private`` installs (``opake.torch.losses``).
 * **Clipping.** ``args.max_grad_norm`` is the per-example clipping norm; Trainer's own clipping of
@@ -53,7 +58,7 @@ from transformers.utils import is_datasets_available
 
 from opake.torch import make_private, strategy_for_optimizer
 from opake.transformers.arguments import UnsupportedTrainingArgumentError, check_arguments
-from opake.transformers.batches import EmptyBatchCollator, batch_size_of, micro_batches
+from opake.transformers.batches import EmptyBatchCollator, batch_size_of, micro_batches, unit_micro_batches
 
 __all__ = ["CHECKPOINT_NAME", "DPTrainer"]
 
@@ -116,7 +121,9 @@ class DPTrainer(transformers.Trainer):
     ``noise_multiplier``; ``strategy``, ``sampling``, ``amplification`` as in ``make_private``;
     ``key`` (an ``opake.random.RngKey``) seeds the batches and the noise (without it, a key is
     drawn from the operating system, as SECURITY.md recommends for published runs; resuming
-    needs the same key: it is saved in each checkpoint's opake_private.pt).
+    needs the same key: it is saved in each checkpoint's opake_private.pt). ``privacy_unit``
+    (one user id per example of ``train_dataset``) makes the guarantee user-level, as in
+    ``make_private``; the batch size then counts users (module docstring).
 
     ``trainer.private`` is the ``PrivateTraining`` (``epsilon``, ``plan``, ``optimizer``,
     ``state_dict()``). Arguments DPTrainer cannot honour raise
@@ -128,7 +135,7 @@ class DPTrainer(transformers.Trainer):
                  callbacks=None, optimizers=(None, None), optimizer_cls_and_kwargs=None,
                  preprocess_logits_for_metrics=None, *, target_delta: float, target_epsilon: float | None = None,
                  noise_multiplier: float | None = None, strategy=None, sampling: str = "balls_in_bins",
-                 amplification: bool = True, key=None):
+                 amplification: bool | None = None, key=None, privacy_unit=None):
         if args is None:
             args = transformers.TrainingArguments(output_dir="tmp_trainer")
         if not isinstance(args, transformers.TrainingArguments):
@@ -153,7 +160,8 @@ class DPTrainer(transformers.Trainer):
         epochs = int(args.num_train_epochs)
         dataset, collate = self._planned_dataset_and_collator(train_dataset)
         optimizer = self.create_optimizer()  # Trainer's (or the one passed in optimizers=)
-        n_steps = epochs * (len(dataset) // batch_size)
+        drawn = len(dataset) if privacy_unit is None else _units_count(privacy_unit, len(dataset))
+        n_steps = epochs * (drawn // batch_size)
         lr_scheduler = self.lr_scheduler  # passed in optimizers=, or None
         if strategy is None and lr_scheduler is None:
             strategy = _strategy_for_trainer_schedule(optimizer, n_steps, self.args)
@@ -161,7 +169,8 @@ class DPTrainer(transformers.Trainer):
             module=self.model, optimizer=optimizer, dataset=dataset, batch_size=batch_size, epochs=epochs,
             max_grad_norm=args.max_grad_norm, target_epsilon=target_epsilon, target_delta=target_delta,
             noise_multiplier=noise_multiplier, strategy=strategy, sampling=sampling, amplification=amplification,
-            lr_scheduler=lr_scheduler, key=key, loss_reduction="mean", **self._loader_options(collate))
+            lr_scheduler=lr_scheduler, key=key, loss_reduction="mean", privacy_unit=privacy_unit,
+            **self._loader_options(collate))
         if self.private.plan.participation.n_steps != n_steps:  # pragma: no cover - make_private's epoch changed
             raise RuntimeError(f"the plan has {self.private.plan.participation.n_steps} steps, DPTrainer expected "
                                f"{n_steps}; the learning-rate schedule would not match the plan")
@@ -226,7 +235,11 @@ class DPTrainer(transformers.Trainer):
         inputs = self._prepare_inputs(inputs)
         size = batch_size_of(inputs)
         total = torch.zeros((), device=self.args.device)
-        for part in micro_batches(inputs, size, self.micro_batch_size):
+        batches = self.private.optimizer.batches
+        units = None if batches.served is None else batches.units(batches.served)
+        parts = (micro_batches(inputs, size, self.micro_batch_size) if units is None
+                 else unit_micro_batches(inputs, size, self.micro_batch_size, units))
+        for part in parts:
             with self.compute_loss_context_manager():
                 loss = self.compute_loss(model, part)
             self.accelerator.backward(loss)
@@ -317,6 +330,13 @@ class DPTrainer(transformers.Trainer):
         raise UnsupportedTrainingArgumentError(
             "DPTrainer does not run hyperparameter searches: every trial trains on the private data, and their "
             "privacy cost adds up (tune on public or held-out data, or account for the search)")
+
+
+def _units_count(privacy_unit, num_examples: int) -> int:
+    """The number of users of ``privacy_unit`` (make_private checks it in full)."""
+    from opake.torch.privacy_units import privacy_units
+
+    return privacy_units(privacy_unit, num_examples).num_units
 
 
 class _WorkerSeed:

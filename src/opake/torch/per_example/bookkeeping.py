@@ -20,6 +20,12 @@ gradient is never divided by).
 Pass 2 (sum): every rule is linear in the output gradient, so the clipped sum of a parameter is
 its rule's contraction with weights ``c_i * s`` (for Linear, ``(c * G)^T A``); a materialized
 per-example gradient is reduced with one matrix-vector product.
+
+Privacy units (``units=``, one unit number per row): the clipped quantity is each unit's summed
+gradient. Pass 1 then gives, per parameter, the (U,) squared norms of the unit sums
+(``units.py``: regrouped ghost norms, or materialized per-example gradients added per unit), the
+factors are per unit (``s`` is still the pass's row count), each row's weight is its unit's
+``c_u * s``, and pass 2 is unchanged.
 """
 
 from __future__ import annotations
@@ -30,7 +36,8 @@ import torch
 from torch import nn
 
 from opake.dpftrl.clipping import clip_factors
-from opake.torch.per_example.errors import BatchDimensionError, NonFiniteGradientError
+from opake.torch.per_example import units as unit_norms
+from opake.torch.per_example.errors import BatchDimensionError, ClipperUsageError, NonFiniteGradientError
 from opake.torch.per_example.model import HookedLayer, describe
 from opake.torch.per_example.rules import tied
 from opake.torch.per_example.rules.base import squared_frobenius
@@ -57,9 +64,10 @@ class LayerCall:
 @dataclass(frozen=True)
 class ClippedPass:
     sums: dict  # model-wide parameter name -> clipped sum over this pass's examples
-    examples: int
-    clipped_examples: int
+    examples: int  # rows of the pass
+    clipped_examples: int  # of the clipped quantities (rows, or units with ``units=``), those above the bound
     unclipped: dict | None = None  # the same contractions with factor 1: autograd's gradient
+    units: int | None = None  # with ``units=``: the units of the pass
 
 
 def sum_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -104,11 +112,12 @@ def _common_batch_size(calls: list[LayerCall], expected: int | None) -> int:
     return batch
 
 
-def _nonfinite(name: str, layer: HookedLayer, squares: torch.Tensor, batch: int) -> NonFiniteGradientError:
+def _nonfinite(name: str, layer: HookedLayer, squares: torch.Tensor, batch: int,
+               what: str = "example") -> NonFiniteGradientError:
     bad = torch.nonzero(~torch.isfinite(squares)).flatten().tolist()
     return NonFiniteGradientError(
-        f"the per-example gradient of parameter {name!r} (layer at {describe(layer.path)}) is not finite "
-        f"for example {bad[0]} of this backward pass's {batch} ({len(bad)} such examples). Find the cause "
+        f"the per-{what} gradient of parameter {name!r} (layer at {describe(layer.path)}) is not finite "
+        f"for {what} {bad[0]} of this backward pass's {batch} ({len(bad)} such {what}s). Find the cause "
         f"(learning rate, the loss on that input); this pass was dropped, call reset() to restart the batch"
     )
 
@@ -140,20 +149,32 @@ def _tied_squares(held: list[tuple[LayerCall, str]], dtype, own: torch.Tensor | 
 
 def clip_forward_pass(
     calls: list[LayerCall], *, max_grad_norm: float, mean: bool, shared: frozenset, batch_size: int | None,
-    unclipped: bool = False,
+    unclipped: bool = False, units: torch.Tensor | None = None, regroup: bool = True,
 ) -> ClippedPass:
     """Clip each example of one forward pass to ``max_grad_norm`` and sum, per parameter.
 
     With ``unclipped=True`` the sums are also formed with every factor 1: what autograd put in
     ``.grad`` for this pass if every use of every parameter went through the hooked layers
-    (``PerExampleClipper.check_coverage`` compares the two).
+    (``PerExampleClipper.check_coverage`` compares the two). With ``units`` ((B,) unit numbers,
+    one per row) each unit's summed gradient is clipped instead (module docstring); ``regroup``
+    uses regrouped ghost norms where a rule allows (``units.py``), otherwise every unit norm comes
+    from materialized per-example gradients.
     """
     calls = [call for call in calls if call.received]
     if not calls:
-        return ClippedPass({}, 0, 0, {} if unclipped else None)
+        return ClippedPass({}, 0, 0, {} if unclipped else None, None if units is None else 0)
     batch = _common_batch_size(calls, batch_size)
     if batch == 0:
-        return ClippedPass({}, 0, 0, {} if unclipped else None)
+        return ClippedPass({}, 0, 0, {} if unclipped else None, None if units is None else 0)
+    device = next(grad for grad in calls[0].grads if grad is not None).device
+    grouping = None
+    if units is not None:
+        if units.dim() != 1 or units.numel() != batch:
+            raise ClipperUsageError(
+                f"this forward pass has {batch} rows but {tuple(units.shape)} unit numbers were given for it; "
+                f"give one unit number per row of the batch (expect_units)"
+            )
+        grouping = unit_norms.UnitGrouping(units, device)
     holders: dict[str, list[tuple[LayerCall, str]]] = {}
     for call in calls:
         for local, name in zip(call.layer.local_names, call.layer.global_names):
@@ -183,8 +204,83 @@ def clip_forward_pass(
                 budget -= size
                 dense_names.add(name)
 
-    device = next(grad for grad in calls[0].grads if grad is not None).device
     factor_dtype = _factor_dtype(device)
+    if grouping is None:
+        squared, per_example, ghost_owner = _example_squares(calls, dense_names, tied_names, holders)
+    else:
+        squared, per_example = _unit_squares(calls, dense_names, tied_names, holders, grouping, regroup)
+    total = _total(squared, device, factor_dtype)
+    if not bool(torch.isfinite(total).all()):
+        # One check for the whole pass; only here, parameter by parameter: squares that overflowed
+        # float32 are recomputed in float64 from the same stored tensors, and what is still not
+        # finite raises, naming the parameter.
+        for name in list(squared):
+            if bool(torch.isfinite(squared[name]).all()):
+                continue
+            owner = holders[name][0][0].layer
+            if name in per_example:
+                squares = squared_frobenius(per_example[name].to(torch.float64))
+            elif grouping is not None:
+                squares = _unit_squares(calls, dense_names, tied_names, holders, grouping, regroup,
+                                        dtype=torch.float64, only=name)[0][name]
+            elif name in tied_names:
+                squares = _tied_squares(holders[name], torch.float64, None)
+            else:
+                call, local = ghost_owner[name]
+                owner = call.layer
+                squares = owner.rule.squared_norms(
+                    owner.module, call.stored, call.grads, [local], torch.float64
+                )[local]
+            if not bool(torch.isfinite(squares).all()):
+                if grouping is None:
+                    raise _nonfinite(name, owner, squares, batch)
+                raise _nonfinite(name, owner, squares, grouping.count, what="unit")
+            squared[name] = squares
+        total = _total(squared, device, factor_dtype)
+
+    # For a mean, every stored output gradient carries the pass's 1/B (B its rows, units or not).
+    scale = float(batch) if mean else 1.0
+    norms = torch.sqrt(total) * scale
+    factors, clipped = clip_factors(norms, max_grad_norm)
+    weights = factors * scale  # per clipped quantity: an example, or a unit
+    row_weights = weights if grouping is None else grouping.row_weights(weights)
+
+    def weighted_sums(weights: torch.Tensor, row_weights: torch.Tensor) -> dict[str, torch.Tensor]:
+        sums: dict[str, torch.Tensor] = {}
+        converted: dict[tuple, torch.Tensor] = {}
+
+        def rows_as(tensor_device, dtype):
+            key = (tensor_device, dtype)
+            if key not in converted:
+                converted[key] = row_weights.to(device=tensor_device, dtype=dtype)
+            return converted[key]
+
+        for call in calls:
+            layer, dtype = call.layer, _layer_dtype(call.layer)
+            ghost = [local for local, name in zip(layer.local_names, layer.global_names) if name not in dense_names]
+            if not ghost:
+                continue
+            parts = layer.rule.clipped_sums(
+                layer.module, call.stored, call.grads, ghost, rows_as(row_weights.device, dtype), dtype
+            )
+            for local, name in zip(layer.local_names, layer.global_names):
+                if local in ghost:
+                    sums[name] = parts[local] + sums[name] if name in sums else parts[local]
+        # Kept per-example gradients (per-unit sums with units): one matrix-vector product each.
+        for name, grads in per_example.items():
+            flat = grads.reshape(grads.shape[0], -1)
+            sums[name] = torch.mv(flat.t(), weights.to(device=flat.device, dtype=flat.dtype)).reshape(grads.shape[1:])
+        return sums
+
+    # The stored output gradients already carry the loss's 1/B for a mean, so factor 1 gives .grad.
+    plain = weighted_sums(torch.ones_like(weights), torch.ones_like(row_weights)) if unclipped else None
+    return ClippedPass(weighted_sums(weights, row_weights), batch, int(clipped.sum()), plain,
+                       None if grouping is None else grouping.count)
+
+
+def _example_squares(calls, dense_names, tied_names, holders):
+    """Pass 1 per example: (B,) squared norms by parameter name, the kept per-example gradients
+    (B, ...) of ``dense_names``, and which call's ghost norms gave each other name."""
     squared: dict[str, torch.Tensor] = {}
     ghost_owner: dict[str, tuple[LayerCall, str]] = {}
     per_example: dict[str, torch.Tensor] = {}
@@ -192,7 +288,6 @@ def clip_forward_pass(
         layer, dtype = call.layer, _layer_dtype(call.layer)
         pairs = list(zip(layer.local_names, layer.global_names))
         ghost = [local for local, name in pairs if name not in dense_names]
-        dense = [local for local, name in pairs if name in dense_names]
         if ghost:
             squares = layer.rule.squared_norms(layer.module, call.stored, call.grads, ghost, dtype)
             for local, name in pairs:
@@ -202,72 +297,63 @@ def clip_forward_pass(
                     else:
                         squared[name] = squares[local]
                         ghost_owner[name] = (call, local)
-        if dense:
-            grads = layer.rule.per_example_grads(layer.module, call.stored, call.grads, dense, dtype)
-            for local, name in pairs:
-                if local in dense:
-                    part = grads[local]
-                    per_example[name] = part if name not in per_example else per_example[name] + part
+        _add_per_example(call, dense_names, per_example, dtype)
     for name, grads in per_example.items():
         squared[name] = squared_frobenius(grads)
     for name in tied_names:
         squared[name] = _tied_squares(holders[name], _layer_dtype(holders[name][0][0].layer), squared[name])
-    total = _total(squared, device, factor_dtype)
-    if not bool(torch.isfinite(total).all()):
-        # One check for the whole pass; only here, parameter by parameter: squares that overflowed
-        # float32 are recomputed in float64 from the same stored tensors, and what is still not
-        # finite raises, naming the parameter.
-        for name in list(squared):
-            if bool(torch.isfinite(squared[name]).all()):
-                continue
-            if name in tied_names:
-                owner = holders[name][0][0].layer
-                squares = _tied_squares(holders[name], torch.float64, None)
-            elif name in ghost_owner:
-                call, local = ghost_owner[name]
-                owner = call.layer
-                squares = owner.rule.squared_norms(
-                    owner.module, call.stored, call.grads, [local], torch.float64
-                )[local]
-            else:
-                owner = next(call.layer for call in calls if name in call.layer.global_names)
-                squares = squared_frobenius(per_example[name].to(torch.float64))
-            if not bool(torch.isfinite(squares).all()):
-                raise _nonfinite(name, owner, squares, batch)
-            squared[name] = squares
-        total = _total(squared, device, factor_dtype)
+    return squared, per_example, ghost_owner
 
-    scale = float(batch) if mean else 1.0
-    norms = torch.sqrt(total) * scale
-    factors, clipped = clip_factors(norms, max_grad_norm)
-    weights = factors * scale
 
-    def weighted_sums(weights: torch.Tensor) -> dict[str, torch.Tensor]:
-        sums: dict[str, torch.Tensor] = {}
-        converted: dict[tuple, torch.Tensor] = {}
+def _add_per_example(call: LayerCall, dense_names, per_example: dict, dtype) -> None:
+    """Add ``call``'s per-example gradients of ``dense_names`` into ``per_example`` (summed over calls)."""
+    layer = call.layer
+    dense = [local for local, name in zip(layer.local_names, layer.global_names) if name in dense_names]
+    if not dense:
+        return
+    grads = layer.rule.per_example_grads(layer.module, call.stored, call.grads, dense, dtype)
+    for local, name in zip(layer.local_names, layer.global_names):
+        if local in dense:
+            part = grads[local]
+            per_example[name] = part if name not in per_example else per_example[name] + part
 
-        def weights_as(tensor_device, dtype):
-            key = (tensor_device, dtype)
-            if key not in converted:
-                converted[key] = weights.to(device=tensor_device, dtype=dtype)
-            return converted[key]
 
-        for call in calls:
-            layer, dtype = call.layer, _layer_dtype(call.layer)
-            ghost = [local for local, name in zip(layer.local_names, layer.global_names) if name not in dense_names]
-            if not ghost:
-                continue
-            parts = layer.rule.clipped_sums(
-                layer.module, call.stored, call.grads, ghost, weights_as(weights.device, dtype), dtype
-            )
-            for local, name in zip(layer.local_names, layer.global_names):
-                if local in ghost:
-                    sums[name] = parts[local] + sums[name] if name in sums else parts[local]
-        for name, grads in per_example.items():
-            flat = grads.reshape(batch, -1)
-            sums[name] = torch.mv(flat.t(), weights_as(flat.device, flat.dtype)).reshape(grads.shape[1:])
-        return sums
-
-    # The stored output gradients already carry the loss's 1/B for a mean, so factor 1 gives .grad.
-    plain = weighted_sums(torch.ones_like(weights)) if unclipped else None
-    return ClippedPass(weighted_sums(weights), batch, int(clipped.sum()), plain)
+def _unit_squares(calls, dense_names, tied_names, holders, grouping, regroup: bool, dtype=None, only=None):
+    """Pass 1 per unit (units.py): (U,) squared norms of the unit sums by parameter name, and the
+    per-unit sums (U, ...) of ``dense_names``. ``dtype`` overrides the layers' (the float64
+    recomputation), ``only`` restricts it to one name."""
+    squared: dict[str, torch.Tensor] = {}
+    per_example: dict[str, torch.Tensor] = {}
+    for call in calls:
+        layer = call.layer
+        layer_dtype = dtype or _layer_dtype(layer)
+        pairs = [(local, name) for local, name in zip(layer.local_names, layer.global_names)
+                 if only is None or name == only]
+        ghost = [local for local, name in pairs if name not in dense_names]
+        if regroup and unit_norms.regroups(layer.rule):
+            # The unit's rows as one example of the rule (tied names: each holder's own part).
+            parts = unit_norms.regrouped_squares(grouping, lambda regrouped: layer.rule.squared_norms(
+                layer.module, regrouped[0].stored, regrouped[0].grads, ghost, layer_dtype), [call]) if ghost else {}
+        else:
+            parts = {local: unit_norms.materialized_squares(grouping, [(call, local)], layer_dtype)
+                     for local, name in pairs if local in ghost and name not in tied_names}
+        for local, name in pairs:
+            if local in parts:
+                squared[name] = parts[local] + squared[name] if name in squared else parts[local]
+        if only is None:
+            _add_per_example(call, dense_names, per_example, layer_dtype)
+    for name, grads in per_example.items():
+        per_example[name] = grouping.unit_sums(grads)
+        squared[name] = squared_frobenius(per_example[name])
+    for name in tied_names:
+        if only is not None and name != only:
+            continue
+        held = holders[name]
+        tied_dtype = dtype or _layer_dtype(held[0][0].layer)
+        if regroup:
+            pair = [call for call, _ in sorted(held, key=lambda h: not isinstance(h[0].layer.rule, EmbeddingRule))]
+            cross = unit_norms.regrouped_tied_cross(grouping, pair, tied_dtype)
+            squared[name] = (squared[name] + 2 * cross).clamp_(min=0)
+        else:
+            squared[name] = unit_norms.materialized_squares(grouping, held, tied_dtype)
+    return squared, per_example

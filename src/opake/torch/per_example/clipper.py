@@ -27,6 +27,16 @@ checkpointing saves less memory than without per-example clipping. Reentrant che
 (``use_reentrant=True``) runs the forward under ``no_grad`` and backpropagates through the
 recomputed graph: the calls skipped in the forward are counted on their pass, the recomputed
 calls are recorded into it, and the pass is clipped once all of them have their gradients.
+
+Privacy units (user-level clipping). ``expect_units(units)`` gives the unit (user) of every row
+of the logical batch about to be trained on, in row order; ``make_private(..., privacy_unit=...)``
+calls it as its loader serves each batch. Each forward pass that records gradients then takes
+the next B unit numbers (B its batch size), so micro-batches cut from the batch in order work,
+and the pass clips each unit's summed gradient (``bookkeeping.clip_forward_pass(units=...)``).
+A unit whose rows fall in two forward passes is refused when the second one starts: each pass
+would clip its part on its own, up to 2C for the unit. ``reset()`` (``zero_grad``) keeps the
+expected units and starts taking them from the first row again; ``clipped_sum()`` refuses unless
+the passes clipped took every row's unit exactly once.
 """
 
 from __future__ import annotations
@@ -56,6 +66,7 @@ class _ForwardPass:
     calls: list[LayerCall] = field(default_factory=list)
     pending: int = 0
     deferred: int = 0  # hooked calls run under no_grad inside the model: reentrant checkpointing
+    units: torch.Tensor | None = None  # the unit of each row (expect_units), taken at the call of the model
 
     @property
     def complete(self) -> bool:
@@ -148,6 +159,8 @@ class PerExampleClipper:
         self._skip_autograd_weights = False
         self._lent: list[list[torch.Tensor]] = []  # parameters whose requires_grad a layer call turned off
         self._precisions: set[torch.dtype] = set()  # parameter and autocast dtypes of the calls seen
+        self._expected_units: torch.Tensor | None = None  # expect_units: kept across reset()
+        self._regroup_units = True
         self.reset()
         self._handles.append(module.register_forward_pre_hook(self._begin_pass, with_kwargs=True))
         for layer in self._plan.layers:
@@ -172,8 +185,47 @@ class PerExampleClipper:
 
     @property
     def clipped_examples(self) -> int:
-        """Of those, the examples whose gradient norm exceeded max_grad_norm."""
+        """Of the clipped quantities (examples, or units after ``expect_units``), those whose
+        gradient norm exceeded max_grad_norm."""
         return self._clipped_examples
+
+    @property
+    def units(self) -> int:
+        """Units clipped since the last reset (after ``expect_units``; 0 otherwise)."""
+        return self._units
+
+    @property
+    def passes(self) -> int:
+        """Forward passes clipped since the last reset."""
+        return self._passes
+
+    def expect_units(self, units, *, regroup: bool = True) -> None:
+        """Clip per unit: ``units`` holds the unit number of every row of the coming logical batch.
+
+        Forward passes (with gradients) take the next rows' unit numbers in order, one per row of
+        their batch; each pass then clips the summed gradient of each of its units to
+        max_grad_norm (the clipped quantity of user-level privacy), and a unit whose rows fall in
+        two forward passes is refused (cut micro-batches at unit boundaries). Kept until replaced
+        (``reset()`` starts again from the first row); ``None`` returns to per-example clipping.
+        ``regroup=False`` computes every unit norm from materialized per-example gradients instead
+        of regrouped ghost norms (bookkeeping; the results agree up to rounding).
+        """
+        if units is not None:
+            if isinstance(units, torch.Tensor):
+                units = units.detach().to("cpu")
+            else:
+                try:
+                    units = torch.as_tensor(units)
+                except (TypeError, ValueError, RuntimeError):
+                    raise TypeError("units must be a 1-D sequence or tensor of integer unit numbers, "
+                                    "one per row") from None
+            if units.dim() != 1 or units.dtype.is_floating_point or units.dtype.is_complex or units.dtype == torch.bool:
+                raise TypeError(f"units must be a 1-D tensor of integer unit numbers, one per row; got shape "
+                                f"{tuple(units.shape)} of {units.dtype}")
+            units = units.to(torch.int64)
+        self._expected_units = units
+        self._regroup_units = bool(regroup)
+        self._units_taken = 0
 
     def clipped_sum(self) -> dict[str, torch.Tensor]:
         """Per trainable parameter name: the sum of the clipped per-example gradients so far.
@@ -187,6 +239,15 @@ class PerExampleClipper:
             raise ClipperUsageError(
                 "clipped_sum() was called before any backward pass since the clipper was built or reset; "
                 "run the model and loss.backward() first"
+            )
+        expected = self._expected_units
+        if expected is not None and (self._unit_rows != expected.numel() or self._examples != expected.numel()):
+            raise ClipperUsageError(
+                f"expect_units gave the units of {expected.numel()} rows, but the forward passes since the reset "
+                f"took {self._units_taken} of them, {self._unit_rows} were clipped by unit and {self._examples} in "
+                f"all: every row of the batch must go through exactly one forward pass with a backward (a forward "
+                f"pass with gradients that was not backpropagated, e.g. an evaluation, also takes rows: run it "
+                f"under torch.no_grad())"
             )
         result = {}
         for name, param in self._plan.trainable.items():
@@ -265,6 +326,9 @@ class PerExampleClipper:
         self._sums: dict[str, torch.Tensor] = {}
         self._examples = 0
         self._clipped_examples = 0
+        self._units = 0
+        self._units_taken = 0  # rows of the expected units taken by forward passes since the reset
+        self._unit_rows = 0  # of those, the rows clipped (passes that had a backward)
         self._passes = 0
         self._precisions = set()
 
@@ -283,8 +347,36 @@ class PerExampleClipper:
         self._close_passes(only_received=True)
         first = _first_tensor(args, kwargs)
         batch = first.shape[0] if first is not None and first.dim() > 0 else None
-        self._current = _ForwardPass(batch_size=batch, grad_enabled=torch.is_grad_enabled())
+        units = self._take_units(batch) if self._expected_units is not None and torch.is_grad_enabled() else None
+        self._current = _ForwardPass(batch_size=batch, grad_enabled=torch.is_grad_enabled(), units=units)
         self._open.append(self._current)
+
+    def _take_units(self, batch: int | None) -> torch.Tensor:
+        """The unit numbers of the next ``batch`` rows (module docstring: privacy units)."""
+        expected, start = self._expected_units, self._units_taken
+        if batch is None:
+            raise ClipperUsageError(
+                "with expect_units the model's first tensor input must have the batch on dimension 0, so that "
+                "its rows can be matched with their units"
+            )
+        if start + batch > expected.numel():
+            raise ClipperUsageError(
+                f"this forward pass has {batch} rows but only {expected.numel() - start} of the {expected.numel()} "
+                f"rows given to expect_units remain: the model ran on more rows than the batch (run evaluations "
+                f"under torch.no_grad()), or the batch's units were not announced"
+            )
+        units = expected[start:start + batch]
+        split = torch.isin(units, expected[:start])
+        if bool(split.any()):
+            unit = int(units[split][0])
+            raise ClipperUsageError(
+                f"unit {unit} has rows in two forward passes (micro-batches) of one logical batch: each pass would "
+                f"clip its part of the unit's gradient on its own, up to twice max_grad_norm for the unit. Cut "
+                f"micro-batches at unit boundaries (all rows of a unit in one forward pass; DPTrainer does so "
+                f"with privacy_unit), or run the whole batch in one pass"
+            )
+        self._units_taken = start + batch
+        return units
 
     def _end_pass(self, module, args, output):
         current, self._current = self._current, None
@@ -429,6 +521,8 @@ class PerExampleClipper:
                     shared=self._plan.shared,
                     batch_size=forward_pass.batch_size,
                     unclipped=self._tracking_unclipped,
+                    units=forward_pass.units,
+                    regroup=self._regroup_units,
                 )
         finally:
             self._folding = False
@@ -442,5 +536,8 @@ class PerExampleClipper:
                 previous = self._unclipped.get(name)
                 self._unclipped[name] = part if previous is None else previous + part
         self._examples += clipped.examples
+        if forward_pass.units is not None:
+            self._units += clipped.units
+            self._unit_rows += clipped.examples
         self._clipped_examples += clipped.clipped_examples
         self._passes += 1

@@ -22,6 +22,13 @@ from torch import nn
 # many elements (64 MiB in float32), so a rule's working memory does not grow with the batch.
 CHUNK_ELEMENTS = 2**24
 
+# What one element of a per-example gradient kept for both passes costs, in multiply-adds of a
+# large matrix product: it is written once (by a batched product with a short inner dimension,
+# or a scatter into zeros) and read twice by memory-bound passes (its norm, then the weighted
+# sum). Measured at about 16 on one CPU thread (tiny GPT-2 and Llama at T = 64, widths 128 to
+# 2048); rules weigh their ghost route's extra multiply-adds against this (rules/linear.py).
+KEPT_COST = 16
+
 
 class LayerRule:
     """Per-example gradients of one layer family; one stateless instance per family.
@@ -33,6 +40,7 @@ class LayerRule:
     """
 
     ghost = False
+    regroup_positions = False  # gradient a sum over positions: unit norms may regroup rows (per_example/units.py)
 
     def check(self, module: nn.Module, path: str) -> None:
         """Raise UnsupportedModuleError when this module's configuration mixes examples."""

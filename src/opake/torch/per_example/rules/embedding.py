@@ -8,9 +8,13 @@ holding ``padding_idx`` contribute nothing, as in the layer's own backward), so
 
 which needs a T x T mask and Gram matrix per example (formed a chunk of examples at a time),
 never the vocab x dim gradient. The clipped sum scatters ``c_i * G_i[t]`` into one vocab x dim
-tensor with ``index_add_``. A small table (vocab x dim at most T^2 (dim + 1), as position
-embeddings are) is offered to the book-keeping to form per example instead (``materialized``):
-one scatter into B x vocab x dim, reused for the norms and the sum.
+tensor with ``index_add_``. A small table is offered to the book-keeping to form per example
+instead (``materialized``): one scatter into B x vocab x dim, reused for the norms and the sum.
+Small means that its vocab x dim elements, each written (zeros, then the scatter) and read twice
+(the norm, the sum) at ``KEPT_COST`` multiply-adds apiece (rules/base.py), cost no more than
+the T^2 (dim + 1) of the ghost norm: GPT-2's 128 x 128 position table at T = 64 (262k against
+528k per example), not Llama's 2048 x 128 token table (4.2M against 528k, and 1 MiB per
+example held).
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from opake.torch.per_example.errors import UnsupportedModuleError
-from opake.torch.per_example.rules.base import LayerRule, example_chunks
+from opake.torch.per_example.rules.base import KEPT_COST, LayerRule, example_chunks
 
 
 def _tokens_and_rows(module, stored, grad, dtype):
@@ -36,6 +40,7 @@ def _tokens_and_rows(module, stored, grad, dtype):
 
 class EmbeddingRule(LayerRule):
     ghost = True
+    regroup_positions = True  # a scatter over positions: a unit's rows regroup as one example (per_example/units.py)
 
     def check(self, module, path):
         if module.scale_grad_by_freq:
@@ -46,9 +51,10 @@ class EmbeddingRule(LayerRule):
 
     def materialized(self, module, stored, grads, names):
         # A small table (position embeddings: n_positions x dim) is cheaper formed per example
-        # (vocab x dim, one scatter) than through T x T Gram matrices (T^2 (dim + 1)).
+        # (vocab x dim, one scatter) than through T x T Gram matrices (module docstring).
         length = stored[0].numel() if stored.shape[0] else 0
-        if module.num_embeddings * module.embedding_dim <= length * length * (module.embedding_dim + 1):
+        table = module.num_embeddings * module.embedding_dim
+        if KEPT_COST * table <= length * length * (module.embedding_dim + 1):
             return tuple(names)
         return ()
 

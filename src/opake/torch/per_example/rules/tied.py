@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from opake.torch.per_example.rules import linear
 from opake.torch.per_example.rules.base import example_chunks
 from opake.torch.per_example.rules.embedding import EmbeddingRule, _tokens_and_rows
 from opake.torch.per_example.rules.linear import LinearRule, _rows
@@ -48,3 +49,30 @@ def cross_term(embedding, embedding_stored, embedding_grads, linear_stored, line
         gathered = torch.gather(rows_g[chunk], 2, index)  # (b, T_L, T_E): G2[s, x[t]]
         parts.append((products * gathered).sum(dim=(1, 2)))
     return torch.cat(parts) if parts else rows_a.new_zeros(0)
+
+
+def keeps_per_example(linear_stored, linear_grads) -> bool:
+    """Whether forming the table's B per-example gradients (``per_example_grads``) and keeping
+    them for both passes costs less than the ghost norms, cross term and ghost sums: the head's
+    own cost model (rules/linear.py; tiny GPT-2's 2048 x 128 table at T = 64: 8.9M multiply-adds
+    per example saved against 4.2M for the kept elements). The embedding's side is a scatter of
+    T_E rows either way. The caller grants the B x V x d elements from its memory budget."""
+    return linear._keeps_weight(linear_stored, linear_grads[0])
+
+
+def per_example_grads(embedding, embedding_stored, embedding_grads, linear_stored, linear_grads, dtype) -> torch.Tensor:
+    """(B, V, d) example i's gradient of the tied table, ``g_L + g_E`` (module docstring): the
+    head's ``G2_i^T A_i`` by one batched product, then the embedding's rows ``G1_i[t]`` added in
+    place at rows ``x_i[t]`` (positions holding ``padding_idx`` left out), so that only one
+    B x V x d tensor is ever allocated."""
+    tokens, rows_e, counted = _tokens_and_rows(embedding, embedding_stored, embedding_grads[0], dtype)
+    rows_a, rows_g = _rows(linear_stored, dtype), _rows(linear_grads[0], dtype)
+    grads = torch.bmm(rows_g.transpose(1, 2), rows_a)  # (B, V, d): the Linear's weight layout
+    batch, vocabulary = grads.shape[0], grads.shape[1]
+    flat = grads.view(batch * vocabulary, grads.shape[2])
+    offsets = torch.arange(batch, device=tokens.device)[:, None] * vocabulary
+    if counted is None:
+        flat.index_add_(0, (tokens + offsets).reshape(-1), rows_e.reshape(-1, rows_e.shape[-1]))
+    else:
+        flat.index_add_(0, (tokens + offsets)[counted], rows_e[counted])
+    return grads
