@@ -16,6 +16,15 @@ The peer (jax-privacy's ``buffered_toeplitz.optimize``) runs only in its own vir
 ``benchmarks/peer_cache/jax_privacy_blt.json`` because one call takes minutes on a small
 machine; ``--run-peer --update-cache`` refreshes that file. The benchmark runs without the peer.
 
+A second table times the schedule-aware resolve that torch.optim.SGD with a learning-rate
+schedule gets (``blt_strategy(workload="parameters", momentum=0.9, lr_schedule=...)``, a 5% linear
+warmup then cosine decay; also with Nesterov and with dampening 0.3) at n = 1e3 .. 1e6, each
+against the constant-schedule resolve of the same workload in the same run (wall and CPU
+seconds, one cold resolve each). ``--buffers`` adds the buffer-count check: for cosine, linear
+warmup + decay and step schedules, the chosen count against two more buffers forced, and at
+n = 64..256 against the best general Toeplitz strategy for the same weighted workload
+(``tests/optimal_toeplitz.py``, torch L-BFGS in float64; minutes).
+
 The table is also written as JSON to benchmarks/out/blt_resolve.json.
 """
 
@@ -153,6 +162,111 @@ def evaluate_with_ours(theta, omega, n: int, min_sep: int, k: int | None, error:
         return float(mech.max_loss if error == "max" else mech.mean_loss)
     except Exception:  # noqa: BLE001 - the cross-check is optional
         return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Learning-rate schedules (torch.optim.SGD's parameter workload)
+
+SCHEDULE_SIZES = (1_000, 10_000, 100_000, 1_000_000)
+SCHEDULE_SGD = (("momentum 0.9", dict(momentum=0.9)),
+                ("Nesterov 0.9", dict(momentum=0.9, nesterov=True)),
+                ("dampening 0.3", dict(momentum=0.9, dampening=0.3)))
+
+
+def warmup_cosine(n: int) -> np.ndarray:
+    """5% linear warmup, then cosine decay to 1e-3 of the peak."""
+    t = np.arange(n)
+    warm = max(1, n // 20)
+    return np.minimum((t + 1) / warm, 1.0) * (0.5 * (1.0 + np.cos(np.pi * t / n)) + 1e-3)
+
+
+def test_schedules(n: int) -> dict:
+    t = np.arange(n)
+    return {
+        "cosine": 0.01 + 0.5 * (1.0 + np.cos(np.pi * t / n)),
+        "warmup-linear": np.minimum((t + 1) / max(1, n // 10), 1.0) * np.maximum(1.0 - t / n, 0.01),
+        "step": 0.1 * 0.1 ** (t // max(1, n // 3)),
+    }
+
+
+def _timed_resolve(recipe, n: int) -> dict:
+    from opake.dpftrl.strategies import strategy as strategy_module
+
+    strategy_module._resolve_blt.cache_clear()
+    wall, cpu = time.perf_counter(), time.process_time()
+    mech = recipe.resolve(n_steps=n, min_sep=1, max_participations=1)
+    return {"wall": time.perf_counter() - wall, "cpu": time.process_time() - cpu, "num_buffers": mech.num_buffers,
+            "max_loss": float(mech.max_loss)}
+
+
+def schedule_rows(sizes) -> list[dict]:
+    """Cold resolves with and without the warmup-cosine schedule, per size and SGD setting."""
+    from opake.dpftrl.noise import blt_strategy
+
+    import opake.dpftrl.strategies.blt_optimize  # noqa: F401 - imported outside the timed region
+
+    rows = []
+    for n in sizes:
+        eta = tuple(warmup_cosine(n))
+        for label, sgd in SCHEDULE_SGD:
+            constant = _timed_resolve(blt_strategy(workload="parameters", **sgd), n)
+            scheduled = _timed_resolve(blt_strategy(workload="parameters", lr_schedule=eta, **sgd), n)
+            rows.append({"n_steps": n, "sgd": label, "constant": constant, "scheduled": scheduled,
+                         "ratio_wall": scheduled["wall"] / constant["wall"],
+                         "ratio_cpu": scheduled["cpu"] / constant["cpu"]})
+            print(f"  [schedule] n={n} {label}: {scheduled['wall']:.2f} s", file=sys.stderr, flush=True)
+    return rows
+
+
+def format_schedule_table(rows) -> str:
+    header = (f"{'n':>9}  {'SGD':<14}  {'const s':>8}  {'B':>2}  {'sched s':>8}  {'cpu s':>6}  {'B':>2}"
+              f"  {'sqrt(loss)':>10}  {'sched/const':>11}  {'cpu ratio':>9}")
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        c, s_ = r["constant"], r["scheduled"]
+        lines.append(f"{r['n_steps']:>9}  {r['sgd']:<14}  {c['wall']:>8.2f}  {c['num_buffers']:>2}  {s_['wall']:>8.2f}"
+                     f"  {s_['cpu']:>6.2f}  {s_['num_buffers']:>2}  {math.sqrt(s_['max_loss']):>10.4f}"
+                     f"  {r['ratio_wall']:>11.2f}  {r['ratio_cpu']:>9.2f}")
+    return "\n".join(lines)
+
+
+def buffer_rows() -> list[dict]:
+    """The chosen buffer count against two more buffers forced and the best Toeplitz strategy."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    import dense  # the torch SGD oracle of the tests
+    from optimal_toeplitz import optimal_toeplitz
+
+    from opake.dpftrl.participation import Participation
+    from opake.dpftrl.strategies import blt, blt_optimize, blt_workload
+
+    rows = []
+    for n in (64, 128, 256, 2_000, 20_000):
+        for name, eta in test_schedules(n).items():
+            ctx, workload = Participation(n, 1, 1), blt_workload.ParameterWorkload(0.9)
+            chosen = blt_optimize.optimize(ctx, lr_schedule=eta, workload=workload)
+            forced = blt_optimize.optimize(ctx, lr_schedule=eta, workload=workload, min_gain=-math.inf,
+                                           max_buffers=chosen.params.num_buffers + 2)
+            row = {"n_steps": n, "schedule": name, "num_buffers": chosen.params.num_buffers,
+                   "loss": chosen.max_loss, "loss_by_buffers": list(chosen.loss_by_buffers),
+                   "forced_buffers": forced.params.num_buffers, "forced_loss": forced.max_loss}
+            if n <= 256:
+                w = dense.torch_sgd_trajectory_matrix(n, 0.9, 0.0, False, eta)
+                row["toeplitz_loss"] = optimal_toeplitz(w, blt.coefficients(chosen.params, n))[0]
+            rows.append(row)
+            print(f"  [buffers] n={n} {name}", file=sys.stderr, flush=True)
+    return rows
+
+
+def format_buffer_table(rows) -> str:
+    header = (f"{'n':>6}  {'schedule':<14}  {'B':>2}  {'loss':>12}  {'B+2':>3}  {'forced loss':>12}"
+              f"  {'forced/B':>9}  {'Toeplitz':>12}  {'B/Toeplitz':>10}")
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        toeplitz = r.get("toeplitz_loss")
+        lines.append(f"{r['n_steps']:>6}  {r['schedule']:<14}  {r['num_buffers']:>2}  {r['loss']:>12.6f}"
+                     f"  {r['forced_buffers']:>3}  {r['forced_loss']:>12.6f}  {r['forced_loss'] / r['loss']:>9.6f}"
+                     f"  {_fmt(toeplitz, '.6f', 12)}  {_fmt(None if toeplitz is None else r['loss'] / toeplitz, '.5f', 10)}")
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -328,6 +442,10 @@ def main(argv=None) -> int:
     parser.add_argument("--only", action="append", default=[], metavar="TEXT",
                         help="run only contexts whose label contains TEXT (repeatable)")
     parser.add_argument("--out", type=Path, default=OUT_FILE, help="JSON output path")
+    parser.add_argument("--schedule-sizes", type=int, nargs="*", default=list(SCHEDULE_SIZES),
+                        help="horizons of the learning-rate schedule table (default 1e3 1e4 1e5 1e6; none to skip)")
+    parser.add_argument("--buffers", action="store_true",
+                        help="also check the buffer counts under schedules (forced counts, optimal Toeplitz; minutes)")
     args = parser.parse_args(argv)
 
     contexts = [c for c in CONTEXTS if not args.only or any(t in c[0] for t in args.only)]
@@ -423,6 +541,16 @@ def main(argv=None) -> int:
     if not problems:
         print(f"optimal Toeplitz values match the MATH.md table ({len(OPTIMAL_TABLE)} values, 6 decimals)")
 
+    sched_rows = schedule_rows(args.schedule_sizes) if args.schedule_sizes else []
+    if sched_rows:
+        print("\nlearning-rate schedule (torch.optim.SGD parameter workload, 5% warmup + cosine), one cold resolve each;"
+              "\nconst = the same workload without a schedule, in the same run; seconds wall (cpu for the scheduled one)")
+        print(format_schedule_table(sched_rows))
+    buf_rows = buffer_rows() if args.buffers else []
+    if buf_rows:
+        print("\nbuffer counts under schedules (momentum 0.9): chosen B, two more forced, best Toeplitz (n <= 256)")
+        print(format_buffer_table(buf_rows))
+
     report = {
         "benchmark": "blt_resolve",
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
@@ -436,6 +564,8 @@ def main(argv=None) -> int:
                       "source": pypi_source},
         "optimal_toeplitz_check": problems or "ok",
         "rows": rows,
+        "schedule_rows": sched_rows,
+        "buffer_rows": buf_rows,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")

@@ -15,7 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import dense
-from opake.dpftrl.strategies import blt, blt_strategy
+from opake.dpftrl.strategies import blt, blt_strategy, blt_workload
 from opake.dpftrl.strategies.blt_optimize import optimize
 from opake.dpftrl.participation import Participation
 
@@ -38,11 +38,11 @@ def _oracle(params, n, workload, schedule):
 
 def _check(params, n, workload, schedule, rtol=RTOL):
     want = _oracle(params, n, workload, schedule)
-    got = blt.parameter_per_query_errors(params, n, workload, schedule)
+    got = blt_workload.parameter_per_query_errors(params, n, workload, schedule)
     scale = want.max()
     np.testing.assert_allclose(got, want, rtol=rtol, atol=rtol * scale)
     for error, value in (("max", want.max()), ("mean", want.mean())):
-        assert blt.parameter_error(params, n, workload, error, schedule) == pytest.approx(value, rel=rtol)
+        assert blt_workload.parameter_error(params, n, workload, error, schedule) == pytest.approx(value, rel=rtol)
 
 
 SGD_SETTINGS = [
@@ -57,7 +57,7 @@ SGD_SETTINGS = [
 @pytest.mark.parametrize("schedule_kind", ["constant", "unit", "cosine", "step-decay"])
 def test_per_query_errors_match_torch_sgd(momentum, dampening, nesterov, schedule_kind):
     rng = np.random.default_rng(abs(hash((momentum, dampening, nesterov, schedule_kind))) % 2**32)
-    workload = blt.ParameterWorkload(momentum, dampening, nesterov)
+    workload = blt_workload.ParameterWorkload(momentum, dampening, nesterov)
     for n in (1, 2, 7, 60, 300):
         params = _random_blt(rng)
         t = np.arange(n)
@@ -74,7 +74,7 @@ def test_per_query_errors_match_torch_sgd(momentum, dampening, nesterov, schedul
 def test_per_query_errors_match_torch_sgd_hypothesis(seed, n, setting, scheduled):
     rng = np.random.default_rng(seed)
     schedule = rng.uniform(0.01, 3.0, n) if scheduled else None
-    _check(_random_blt(rng), n, blt.ParameterWorkload(*setting), schedule)
+    _check(_random_blt(rng), n, blt_workload.ParameterWorkload(*setting), schedule)
 
 
 @pytest.mark.parametrize("momentum", [0.5, 0.9])
@@ -83,27 +83,27 @@ def test_inverse_decay_near_the_momentum(momentum):
     # ~eps / gap = 1e-10 and the public max/mean fall back to them (the double sums would lose
     # ~eps / gap^2 = 1e-5), hence rtol 1e-9 here.
     params = blt.BLTParams([0.99], [0.99 - momentum - 1e-6])
-    _check(params, 80, blt.ParameterWorkload(momentum), None, rtol=1e-9)
+    _check(params, 80, blt_workload.ParameterWorkload(momentum), None, rtol=1e-9)
 
 
 def test_plain_sgd_with_constant_lr_is_the_prefix_sum_workload():
     params = _random_blt(np.random.default_rng(3))
     n = 500
     want = blt.per_query_errors(params, n)  # updates workload with beta = 1: prefix sums
-    got = blt.parameter_per_query_errors(params, n, blt.ParameterWorkload(0.0))
+    got = blt_workload.parameter_per_query_errors(params, n, blt_workload.ParameterWorkload(0.0))
     np.testing.assert_allclose(got, want, rtol=1e-12)
 
 
 def test_long_horizon_closed_form_matches_rows():
     params = blt.BLTParams(1.0 - np.array([1e-2, 1e-4, 1e-7]), np.array([0.3, 0.1, 0.01]))
     n = 100_000
-    for workload in (blt.ParameterWorkload(0.9), blt.ParameterWorkload(0.9, nesterov=True),
-                     blt.ParameterWorkload(0.99, 0.5)):
-        rows = blt.parameter_per_query_errors(params, n, workload)
-        scheduled = blt.parameter_per_query_errors(params, n, workload, np.ones(n))
+    for workload in (blt_workload.ParameterWorkload(0.9), blt_workload.ParameterWorkload(0.9, nesterov=True),
+                     blt_workload.ParameterWorkload(0.99, 0.5)):
+        rows = blt_workload.parameter_per_query_errors(params, n, workload)
+        scheduled = blt_workload.parameter_per_query_errors(params, n, workload, np.ones(n))
         np.testing.assert_allclose(scheduled, rows, rtol=1e-9)
-        assert blt.parameter_error(params, n, workload, "max") == pytest.approx(rows.max(), rel=1e-10)
-        assert blt.parameter_error(params, n, workload, "mean") == pytest.approx(rows.mean(), rel=1e-10)
+        assert blt_workload.parameter_error(params, n, workload, "max") == pytest.approx(rows.max(), rel=1e-10)
+        assert blt_workload.parameter_error(params, n, workload, "mean") == pytest.approx(rows.mean(), rel=1e-10)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -137,7 +137,7 @@ def test_resolved_parameters_workload_matches_torch_oracle():
     mech = blt_strategy(max_buffers=3, workload="parameters", momentum=0.9, dampening=0.2,
                         lr_schedule=schedule).resolve(n, 1, 1)
     params = blt.BLTParams(mech.theta, mech.omega)
-    rows = _oracle(params, n, blt.ParameterWorkload(0.9, 0.2), np.asarray(schedule))
+    rows = _oracle(params, n, blt_workload.ParameterWorkload(0.9, 0.2), np.asarray(schedule))
     sens2 = mech.sensitivity ** 2
     assert mech.max_loss == pytest.approx(sens2 * rows.max(), rel=1e-10)
     assert mech.mean_loss == pytest.approx(sens2 * rows.mean(), rel=1e-10)
@@ -147,13 +147,13 @@ def test_resolved_parameters_workload_matches_torch_oracle():
 def test_optimizing_the_parameter_workload_beats_the_updates_workload_on_it(schedule):
     n = 2000
     eta = None if schedule is None else tuple(np.linspace(1.0, 0.1, n))
-    workload = blt.ParameterWorkload(0.9)
+    workload = blt_workload.ParameterWorkload(0.9)
     for_params = blt_strategy(workload="parameters", momentum=0.9, lr_schedule=eta).resolve(n, 1, 1)
     for_updates = blt_strategy(momentum=0.9, lr_schedule=eta).resolve(n, 1, 1)
 
     def loss(mech):
         params = blt.BLTParams(mech.theta, mech.omega)
-        return mech.sensitivity ** 2 * blt.parameter_error(params, n, workload, "max", eta)
+        return mech.sensitivity ** 2 * blt_workload.parameter_error(params, n, workload, "max", eta)
 
     assert loss(for_params) == pytest.approx(for_params.max_loss, rel=1e-10)
     assert loss(for_params) < 0.9 * loss(for_updates)
@@ -186,5 +186,5 @@ def test_bad_schedules_are_refused(schedule, message):
     with pytest.raises(ValueError, match=rf"lr_schedule.*{message}|{message}"):
         blt_strategy(workload="parameters", momentum=0.9, lr_schedule=schedule).resolve(5, 1, 1)
     with pytest.raises(ValueError, match=rf"lr_schedule.*{message}|{message}"):
-        blt.parameter_per_query_errors(blt.BLTParams([0.5], [0.3]), 5, blt.ParameterWorkload(0.9),
+        blt_workload.parameter_per_query_errors(blt.BLTParams([0.5], [0.3]), 5, blt_workload.ParameterWorkload(0.9),
                                        np.asarray(schedule))

@@ -38,6 +38,16 @@ Buffer-count policy: B grows from 1. Growth stops when one more buffer lowers th
 Each buffer costs d floats of training memory, so one that buys less than 0.01% of loss is not
 worth it. Counts are compared after a coarse optimization (stall tolerance 100x finer than
 BUFFER_GAIN); the chosen count is then polished to about the 8th digit of the loss.
+
+Under a learning-rate schedule (SGD's parameter workload, max error; also dampening without a
+schedule) the loss is steered by ``blt_schedule.ScheduledParameterErrors``, built once per
+optimize call, and the reported errors come from the exact O(nB) rows (``_finish``). The count
+search then differs in three ways (docs/blt.md, "Buffer count"): from B = 3 on a second start
+spread only up to n / e races the usual one (12 iterations each), because the optimum's slowest
+buffer is shorter than the horizon and the usual start can end in a basin that wastes one; a
+count that ends above the previous count restarts from the previous optimum grown by one buffer
+(``_grown_start``), so the losses by count do not go backwards; and counts are compared at a
+stall tolerance 10x finer than BUFFER_GAIN. Without a schedule nothing changes (same iterates).
 """
 
 from __future__ import annotations
@@ -47,7 +57,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from opake.dpftrl.strategies import blt
+from opake.dpftrl.strategies import blt, blt_workload
+from opake.dpftrl.strategies.blt_schedule import ScheduledParameterErrors
 from opake.dpftrl.strategies.geometric import expm1
 from opake.dpftrl.strategies.lbfgs import minimize_until_stalled
 from opake.dpftrl.participation import Participation
@@ -57,6 +68,9 @@ _STALL_WINDOW = 10
 _STEP = 1e-20  # complex-step size: exact to O(h^2), no subtraction
 _EXPLORE_STALL, _EXPLORE_ITERATIONS = 1e-6, 150
 _RACE_ITERATIONS = 25
+# Under a schedule an evaluation costs more (blt_schedule): races of 12 iterations, and counts
+# compared at a stall tolerance 10x (not 100x) finer than BUFFER_GAIN.
+_SCHEDULED_RACE_ITERATIONS, _SCHEDULED_EXPLORE_STALL = 12, 1e-5
 _POLISH_STALL, _POLISH_ITERATIONS = 1e-8, 150
 
 
@@ -126,9 +140,11 @@ def _loss(v, ctx: Participation, error: str, target, schedule):
     with np.errstate(all="ignore"):
         d = decays_from_free(v, max_log_complement(ctx.n_steps))
         sens2 = blt.minsep_sensitivity_squared_arrays(d.theta, d.leak, d.omega, ctx)
-        if isinstance(target, blt.ParameterWorkload):
-            err = blt.parameter_error_arrays(d.leak, d.leak_hat, d.omega_hat, target, ctx.n_steps,
-                                             error, schedule)
+        if isinstance(target, ScheduledParameterErrors):
+            err = target.error(d.leak, d.leak_hat, d.omega_hat, error)
+        elif isinstance(target, blt_workload.ParameterWorkload):
+            err = blt_workload.parameter_error_arrays(d.leak, d.leak_hat, d.omega_hat, target, ctx.n_steps,
+                                                      error, schedule)
         else:
             leaks, weights = blt.workload_terms_arrays(d.leak, d.leak_hat, d.omega_hat, target)
             err = blt.error_arrays(leaks, weights, ctx.n_steps, error, schedule)
@@ -173,6 +189,25 @@ def _separated_start(num_buffers: int, ctx: Participation):
     return _free_from_log_complements(y, ctx.n_steps)
 
 
+def _grown_start(v: np.ndarray, n_steps: int) -> np.ndarray:
+    """The optimum for B buffers with one more pair of decays, as a start for B + 1.
+
+    The new pair (theta_hat, theta) goes into the widest of the B + 1 gaps in y = -log(1 - x)
+    that keep the decays interlaced (before theta_hat_1, between theta_i and theta_hat_(i+1),
+    after theta_B), at its middle and 1% of it apart: its omega is then ~1% of a buffer's and C
+    hardly changes, so the loss starts where B buffers ended and can only improve from there.
+    """
+    y_max = max_log_complement(n_steps)
+    shares = np.exp(v - v.max())
+    y = y_max * np.cumsum(shares)[:-1] / shares.sum()               # the 2B values
+    edges = np.concatenate([[0.0], y[1::2]])                       # 0, theta_1, ..., theta_B
+    ends = np.concatenate([y[0::2], [y_max]])                      # theta_hat_1, ..., theta_hat_B, y_max
+    gap = int(np.argmax(ends - edges))
+    middle, width = 0.5 * (edges[gap] + ends[gap]), 0.01 * (ends[gap] - edges[gap])
+    grown = np.sort(np.concatenate([y, [middle - 0.5 * width, middle + 0.5 * width]]))
+    return _free_from_log_complements(grown, n_steps)
+
+
 def _initial_tops(ctx: Participation) -> tuple:
     """Longest initial decay time scales: the horizon, and for several participations also the
     number of participation periods n / b (the loss is multimodal there; both are tried)."""
@@ -202,39 +237,59 @@ def optimize(
     max_buffers: int = 10,
     momentum: float = 1.0,
     lr_schedule: np.ndarray | None = None,
-    workload: blt.ParameterWorkload | None = None,
+    workload: blt_workload.ParameterWorkload | None = None,
+    min_gain: float = BUFFER_GAIN,
 ) -> OptimizeResult:
     """The BLT minimizing sens^2 x error for ``ctx``, rounded for float32 and re-checked.
 
     The error is that of the workload W = D_eta M_beta (``momentum``, the seed's meaning) or,
-    given ``workload``, of SGD's parameter trajectory W = S D_eta M (``blt.ParameterWorkload``;
-    ``momentum`` is then ignored). Sensitivity depends on C only.
+    given ``workload``, of SGD's parameter trajectory W = S D_eta M (``blt_workload.ParameterWorkload``;
+    ``momentum`` is then ignored). Sensitivity depends on C only. ``min_gain`` is the relative
+    gain a buffer must bring (``BUFFER_GAIN``; ``-inf`` forces ``max_buffers``, for comparisons).
     """
     target = momentum if workload is None else workload  # _loss and _finish dispatch on its type
     if ctx.n_steps == 1:
         # One step: C = [1] whatever the buffers; the identity-like 1-buffer BLT with omega = 0.
         params = blt.BLTParams(np.array([0.5]), np.array([0.0]))
         return _finish(params, ctx, target, lr_schedule, ())
+    steer = target
+    if workload is not None and error == "max" and (lr_schedule is not None or workload.effective_dampening > 0.0):
+        steer = ScheduledParameterErrors(np.ones(ctx.n_steps) if lr_schedule is None else lr_schedule, workload)
     best_v, best_loss, losses = None, math.inf, []
     # Explore buffer counts with a stall tolerance 100x finer than BUFFER_GAIN, then polish
     # the chosen count to the 9th digit of the loss.
+    scheduled = isinstance(steer, ScheduledParameterErrors)
+    explore_stall = _SCHEDULED_EXPLORE_STALL if scheduled else _EXPLORE_STALL
     for num_buffers in range(1, max_buffers + 1):
-        starts = [_initial_free(num_buffers, ctx.n_steps, top) for top in _initial_tops(ctx)]
+        # Under a schedule the optimum's slowest buffer is shorter than the horizon (late noise
+        # is multiplied by small learning rates); from 3 buffers on, a start spread up to the
+        # horizon can end in a basin that wastes one, so a start spread to n / e races it.
+        extra_top = scheduled and num_buffers >= 3
+        tops = _initial_tops(ctx) + ((math.log(ctx.n_steps) - 1.0,) if extra_top else ())
+        starts = [_initial_free(num_buffers, ctx.n_steps, top) for top in tops]
         if ctx.effective_participations > 1:
             separated = _separated_start(num_buffers, ctx)
             if separated is not None:
                 starts.append(separated)
         if len(starts) > 1:  # a short race between the starts, then only the leader continues
-            raced = [_minimize(v0, ctx, error, target, lr_schedule, stall=_EXPLORE_STALL,
-                               max_iterations=_RACE_ITERATIONS) for v0 in starts]
+            race = _SCHEDULED_RACE_ITERATIONS if scheduled else _RACE_ITERATIONS
+            raced = [_minimize(v0, ctx, error, steer, lr_schedule, stall=explore_stall,
+                               max_iterations=race) for v0 in starts]
             starts = [min(raced, key=lambda start: start[1])[0]]
-        v, loss = _minimize(starts[0], ctx, error, target, lr_schedule, stall=_EXPLORE_STALL,
+        v, loss = _minimize(starts[0], ctx, error, steer, lr_schedule, stall=explore_stall,
                             max_iterations=_EXPLORE_ITERATIONS)
+        if scheduled and best_v is not None and loss > best_loss:
+            # The spread starts ended above B - 1 buffers: their basin, not the count. The
+            # B - 1 optimum with one more buffer starts where B - 1 ended.
+            grown, grown_loss = _minimize(_grown_start(best_v, ctx.n_steps), ctx, error, steer, lr_schedule,
+                                          stall=explore_stall, max_iterations=_EXPLORE_ITERATIONS)
+            if grown_loss < loss:
+                v, loss = grown, grown_loss
         losses.append(math.exp(loss))
-        if loss >= best_loss + math.log1p(-BUFFER_GAIN):
+        if loss >= best_loss + math.log1p(-min_gain):
             break  # this buffer is not worth its memory: keep the smaller count
         best_v, best_loss = v, loss
-    best_v, _ = _minimize(best_v, ctx, error, target, lr_schedule, stall=_POLISH_STALL,
+    best_v, _ = _minimize(best_v, ctx, error, steer, lr_schedule, stall=_POLISH_STALL,
                           max_iterations=_POLISH_ITERATIONS)
     d = decays_from_free(best_v, max_log_complement(ctx.n_steps))
     params = blt.BLTParams(d.theta, d.omega)
@@ -245,8 +300,8 @@ def _finish(params, ctx, target, lr_schedule, losses) -> OptimizeResult:
     rounded = blt.round_for_float32(params)
     blt.check_minsep_preconditions(rounded)
     sens2 = blt.minsep_sensitivity_squared(rounded, ctx)
-    if isinstance(target, blt.ParameterWorkload):
-        rows = blt.parameter_per_query_errors(rounded, ctx.n_steps, target, lr_schedule)
+    if isinstance(target, blt_workload.ParameterWorkload):
+        rows = blt_workload.parameter_per_query_errors(rounded, ctx.n_steps, target, lr_schedule)
         max_err, mean_err = float(rows.max()), float(rows.mean())
     elif lr_schedule is None:
         max_err = blt.max_error(rounded, ctx.n_steps, target)

@@ -22,7 +22,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from opake.dpftrl.strategies import blt
+from opake.dpftrl.strategies import blt, blt_workload
 from opake.dpftrl.participation import Participation
 
 _ERRORS = ("max", "mean")
@@ -178,7 +178,7 @@ class BLTStrategy:
         ``workload="parameters"``: torch.optim.SGD's momentum, in [0, 1) (0 = plain SGD).
       workload: "updates" (default, W = D_eta M_beta: each step's update) or "parameters"
         (W = S D_eta M: the noise in the parameters of torch.optim.SGD with this momentum,
-        dampening, nesterov and lr schedule; see ``blt.ParameterWorkload``).
+        dampening, nesterov and lr schedule; see ``blt_workload.ParameterWorkload``).
       dampening, nesterov: torch.optim.SGD's, for ``workload="parameters"`` only.
       lr_schedule: None, a sequence of n_steps positive values eta_t, or a deterministic
         callable step -> eta_t. A sequence is stored as a tuple and takes part in equality; a
@@ -242,11 +242,11 @@ class BLTStrategy:
             object.__setattr__(self, "lr_schedule", tuple(float(v) for v in values))
 
     @property
-    def parameter_workload(self) -> blt.ParameterWorkload | None:
+    def parameter_workload(self) -> blt_workload.ParameterWorkload | None:
         """The SGD parameter workload of ``workload="parameters"``, else None."""
         if self.workload != "parameters":
             return None
-        return blt.ParameterWorkload(self.momentum, self.dampening, self.nesterov)
+        return blt_workload.ParameterWorkload(self.momentum, self.dampening, self.nesterov)
 
     def schedule_values(self, n_steps: int) -> np.ndarray | None:
         """The schedule eta_0..eta_{n-1} as float64, validated; None without a schedule."""
