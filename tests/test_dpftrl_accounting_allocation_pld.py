@@ -238,3 +238,11 @@ def test_own_term_expectations_bound_quadrature():
             kink = (math.log(threshold - s) - a * a / 2) / a if s < threshold else -12.0
             exact = scipy.integrate.quad(integrand, kink, 14, limit=500, epsabs=0, epsrel=1e-11)[0]
             assert exact <= value <= exact * (1 + 2e-3) + 1e-15
+
+
+def test_a_tiny_noise_multiplier_falls_back_to_the_unamplified_bound_instead_of_overflowing():
+    inner = dpftrl_acc.mf_gaussian(1e-6, identity_strategy())
+    process = dpftrl_acc.balls_in_bins(inner, num_bins=1, n_steps=3)
+    rigorous = dpftrl_acc.balls_in_bins(inner, num_bins=1, n_steps=3, method="rigorous")
+    assert process.epsilon_at(1e-5) <= rigorous.epsilon_at(1e-5)
+    assert process.delta_at(1e6) <= rigorous.delta_at(1e6)

@@ -366,8 +366,12 @@ class BallsInBinsPLD:
 
     def delta_at(self, epsilon: float) -> float:
         epsilon = check_epsilon(epsilon)
-        remove = self.remove_delta(epsilon)
-        return min(max(remove, self.add_delta(epsilon, needed_above=remove)), self.rigorous.delta_at(epsilon))
+        try:
+            remove = self.remove_delta(epsilon)
+            amplified = max(remove, self.add_delta(epsilon, needed_above=remove))
+        except OverflowError:  # epsilon beyond the tables' float range: the unamplified bound holds
+            return self.rigorous.delta_at(epsilon)
+        return min(amplified, self.rigorous.delta_at(epsilon))
 
     def _search(self, delta: float, best: float, resolution, rtol: float) -> float:
         """Smallest epsilon <= best the PLD certifies at ``delta`` with tables of this resolution.
@@ -394,8 +398,11 @@ class BallsInBinsPLD:
         if self.amplified is not None:   # the Renyi epsilon, per direction (CKS20 Prop. 12)
             best = min(best, max(rdp_epsilon(self.amplified.remove, delta), rdp_epsilon(self.amplified.add, delta)))
         # Coarse tables (resolution COARSE, cheap) first find the band, then the fine ones.
-        best = self._search(delta, best, COARSE, rtol=1e-4)
-        best = self._search(delta, best, None, rtol=1e-6)
+        try:
+            best = self._search(delta, best, COARSE, rtol=1e-4)
+            best = self._search(delta, best, None, rtol=1e-6)
+        except OverflowError:  # a tiny noise multiplier: the tables leave float range; keep the caps
+            pass
         return certified_epsilon(self.delta_at, delta, best, upper=cap)
 
 
