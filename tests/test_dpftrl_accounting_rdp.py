@@ -232,8 +232,9 @@ def test_each_direction_is_converted_on_its_own():
         per_direction = max(rdp_epsilon(process.remove, delta), rdp_epsilon(process.add, delta))
         assert process.epsilon_at(delta) <= min(per_direction, process.rigorous.epsilon_at(delta)) + 1e-12
         # converting the pointwise maximum with one order for both directions is never tighter
-        assert process.epsilon_at(delta) <= rdp_epsilon(process.rdp, delta)
-        assert process.delta_at(process.epsilon_at(delta)) <= delta * (1 + 1e-9)
+        # (up to the few ulps by which epsilon_at rounds up so that delta_at(epsilon_at(d)) <= d exactly)
+        assert process.epsilon_at(delta) <= rdp_epsilon(process.rdp, delta) * (1 + 1e-14)
+        assert process.delta_at(process.epsilon_at(delta)) <= delta
 
 
 def test_seed_example_bound_and_its_monte_carlo_lower_confidence_bound():
@@ -241,8 +242,9 @@ def test_seed_example_bound_and_its_monte_carlo_lower_confidence_bound():
     # Unamplified 27.23; the majorized RDP bound alone gave 25.88; exact order-2 moments give 23.81;
     # the direct hockey-stick bounds 22.62 (issue 14's target: <= 23.0).
     inner = dpftrl_acc.mf_gaussian(1.0, blt_strategy(max_buffers=10))
-    process = dpftrl_acc.balls_in_bins(inner, num_bins=100, n_steps=500)
-    assert isinstance(process, dpftrl_acc.BallsInBinsRDP)  # the default is the tightest proven bound
+    with pytest.warns(dpftrl_acc.UnprovenAmplificationWarning):   # a BLT: not proven for adaptive gradients
+        process = dpftrl_acc.balls_in_bins(inner, num_bins=100, n_steps=500, method="amplified")
+    assert isinstance(process, dpftrl_acc.BallsInBinsRDP)
     epsilon = process.epsilon_at(1e-5)
     assert epsilon <= 23.0
     assert epsilon < process.rigorous.epsilon_at(1e-5) - 3.0
@@ -257,7 +259,8 @@ def test_seed_example_bound_and_its_monte_carlo_lower_confidence_bound():
 
 @pytest.mark.parametrize("sigma", [1e-3, 1e4])
 def test_extreme_noise_multipliers_give_finite_answers_never_above_the_unamplified_bound(sigma):
-    process = dpftrl_acc.balls_in_bins(dpftrl_acc.mf_gaussian(sigma, HAND_BLT), num_bins=3, n_steps=12)
+    process = dpftrl_acc.balls_in_bins(dpftrl_acc.mf_gaussian(sigma, HAND_BLT), num_bins=3, n_steps=12,
+                                       method="amplified")
     for delta in [1e-10, 1e-5]:
         epsilon = process.epsilon_at(delta)
         assert math.isfinite(epsilon) and 0.0 <= epsilon <= process.rigorous.epsilon_at(delta)

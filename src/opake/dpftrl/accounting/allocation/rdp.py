@@ -38,7 +38,7 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 from scipy.special import gammaln
 
-from opake.accounting.process import check_delta, check_epsilon, smallest_epsilon
+from opake.accounting.process import certified_epsilon, check_delta, check_epsilon, smallest_epsilon
 from opake.dpftrl.accounting.allocation import hockey_stick
 from opake.dpftrl.accounting.allocation.bin_gram import bin_gram_of_run
 from opake.dpftrl.noise.priced import PricedNoise
@@ -309,7 +309,7 @@ class BallsInBinsRDP:
         remove = min(rdp_epsilon(self.remove, delta), cap)
         if remove > add:  # the remove direction decides only above the add direction's epsilon
             remove = _lowered(lambda eps: hockey_stick.remove_delta(self.remove_table, eps), delta, remove)
-        return min(max(remove, add), cap)
+        return certified_epsilon(self.delta_at, delta, min(max(remove, add), cap), upper=cap)
 
     def delta_at(self, epsilon: float) -> float:
         epsilon = check_epsilon(epsilon)
