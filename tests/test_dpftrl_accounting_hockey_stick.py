@@ -14,8 +14,10 @@ pytestmark = pytest.mark.filterwarnings("ignore::opake.dpftrl.accounting.Unprove
 from scipy.special import ndtr
 
 import opake.dpftrl.accounting as dpftrl_acc
+from opake.accounting.confidence import kl_lower_bound
 from opake.accounting.process import smallest_epsilon
 from opake.dpftrl.accounting.allocation import hockey_stick
+from opake.dpftrl.accounting.allocation.monte_carlo import _gram_factor
 from opake.dpftrl.noise import blt_strategy, identity_strategy
 
 
@@ -39,6 +41,19 @@ def two_bin_divergences(gram, epsilon, points=2401):
     remove = float((weight * np.clip(ratio - gamma, 0, None)).sum())
     add = float((weight * np.clip(1 - gamma * ratio, 0, None)).sum())
     return remove, add
+
+
+def three_bin_remove(gram, epsilon, points=121):
+    """E_P[(R - gamma)_+] for b = 3 by a tensor grid over U = L z, z ~ N(0, I_3) (|z_k| <= 7)."""
+    factor_l = np.linalg.cholesky(gram + 1e-12 * np.eye(3))
+    z = np.linspace(-7.0, 7.0, points)
+    step = z[1] - z[0]
+    weights = np.exp(-z * z / 2) / math.sqrt(2 * math.pi) * step
+    grid = np.stack(np.meshgrid(z, z, z, indexing="ij"), axis=-1).reshape(-1, 3)
+    w = (weights[:, None, None] * weights[None, :, None] * weights[None, None, :]).reshape(-1)
+    u = grid @ factor_l.T
+    ratio = np.exp(u - np.diag(gram) / 2).mean(axis=1)
+    return float((w * np.clip(ratio - math.exp(epsilon), 0, None)).sum())
 
 
 @pytest.mark.parametrize("mu", [0.5, 1.0, 3.0])
@@ -113,10 +128,102 @@ def test_never_below_the_monte_carlo_lower_confidence_bound(strategy, num_bins, 
 
 def test_the_seed_example_meets_the_issue_target():
     # 100 bins over 500 steps, blt_strategy(max_buffers=10), sigma 1, delta 1e-5: unamplified
-    # 27.23, Renyi 23.81, Monte Carlo estimate 21.84 (95%: 21.08 to 22.79); target <= 23.0.
+    # 27.23, Renyi 23.81, the unsplit direct bound 22.62; an independent Monte Carlo puts the
+    # truth at 22.05. Issue 19: at most 2% above it (22.49); the split bound gives 22.30.
     inner = dpftrl_acc.mf_gaussian(1.0, blt_strategy(max_buffers=10))
     process = dpftrl_acc.balls_in_bins(inner, num_bins=100, n_steps=500, method="amplified")
     epsilon = process.epsilon_at(1e-5)
-    assert 21.08 <= epsilon <= 23.0
+    assert 21.08 <= epsilon <= 22.05 * 1.02
     assert process.delta_at(epsilon) <= 1e-5 * (1 + 1e-9)
     assert process.remove_delta(epsilon) <= 1e-5 and process.add_delta(epsilon) <= 1e-5
+
+
+@pytest.mark.parametrize("sd", [0.0, 1e-3, 0.3, 1.0, 3.0])
+def test_lognormal_excess_matches_high_precision_quadrature(sd):
+    mpmath = pytest.importorskip("mpmath")
+    mpmath.mp.dps = 40
+    for t in [-math.inf, -1.0, 0.0, 2.0, 5.0, 8.0]:
+        value = float(hockey_stick.lognormal_excess(np.array([sd]), t)[0])
+        if t == -math.inf:
+            assert value == 1.0  # nothing split off: E Y = 1
+            continue
+        if sd == 0.0:
+            assert value == 0.0  # Y = 1 = q
+            continue
+        strike = mpmath.e ** (mpmath.mpf(sd) * t - mpmath.mpf(sd) ** 2 / 2)
+        exact = float(mpmath.quad(lambda z: max(mpmath.e ** (sd * z - mpmath.mpf(sd) ** 2 / 2) - strike, 0)
+                                  * mpmath.npdf(z), [t, t + 2, t + 10, t + 60]))
+        assert exact <= value <= exact * (1 + 1e-8) + 1e-300
+
+
+def test_each_split_level_bounds_the_conditional_remove_term_by_monte_carlo():
+    # E[g(R) | w] under Q_i, sampled exactly (the other bins' Gaussian given bin i's own), against
+    # h_K(M) of every split level at that grid point: each level alone is a valid bound.
+    rng = np.random.default_rng(3)
+    m = rng.uniform(0.0, 1.0, size=(8, 4))
+    gram = 2.5 * m.T @ m
+    table = hockey_stick.remove_table(gram, 1.0, points=81)
+    b, i = gram.shape[0], 1
+    others = np.arange(b) != i
+    root = math.sqrt(gram[i, i])
+    slopes = gram[i, others] / root
+    conditional = gram[np.ix_(others, others)] - np.outer(slopes, slopes)
+    draws = rng.standard_normal((400_000, b - 1)) @ _gram_factor(conditional).T
+    checked = 0
+    for epsilon in [1.0, 2.0]:
+        levels = hockey_stick._concave_majorant(table.log_kappa[i], table.log_rest[i], epsilon)  # (L, N)
+        for k in np.flatnonzero((table.grid > 0.5) & (table.grid < 3.5))[::6]:
+            w = table.grid[k]
+            own = math.exp(gram[i, i] / 2 + root * w) / b
+            rest = np.exp(gram[i, others] + slopes * w + draws - np.diag(gram)[others] / 2).sum(axis=1) / b
+            values = np.clip(1.0 - math.exp(epsilon) / (own + rest), 0.0, None)
+            lower = kl_lower_bound(float(values.mean()), values.shape[0], 1e-4)
+            assert np.all(lower <= levels[:, k] * (1 + 1e-9))
+            checked += lower > 0.0
+    assert checked >= 4  # the comparison is not vacuous
+
+
+def test_the_split_lowers_the_bound_and_pruning_only_rounds_it_up():
+    # a seed-like Gram matrix: neighbours correlate strongly, far bins less, low noise
+    b = 12
+    lag = np.abs(np.arange(b)[:, None] - np.arange(b)[None, :])
+    gram = 9.0 + 9.0 * 0.8 ** lag
+    table = hockey_stick.remove_table(gram, 1.0)
+    for epsilon in [18.0, 20.0]:  # where delta is small and the own bin decides
+        values = hockey_stick._concave_majorant(table.log_kappa, table.log_rest, epsilon)  # (b, L, N)
+        unsplit = float((values[:, 0] @ table.masses + table.upper_tail).mean())
+        plain = float((values.min(axis=1) @ table.masses + table.upper_tail).mean())  # every point evaluated
+        pruned = hockey_stick.remove_delta(table, epsilon)
+        assert plain <= pruned <= plain * (1 + 3 * hockey_stick._PRUNED) + 1e-300
+        assert plain < 0.9 * unsplit  # the split levels help
+
+
+@pytest.mark.parametrize("gram", [
+    np.array([[5.25, 2.5], [2.5, 3.1]]),
+    np.array([[4.0, 3.6], [3.6, 4.0]]),
+])
+def test_the_probe_lower_sum_is_below_the_bound_on_every_grid(gram):
+    fine = hockey_stick.remove_table(gram, 1.0)
+    for points in [5, 17, 101]:
+        probe = hockey_stick.remove_table(gram, 1.0, points=points)
+        for epsilon in [0.25, 1.0, 2.0]:
+            lower = hockey_stick.remove_lower_sum(probe, epsilon)
+            assert lower <= hockey_stick.remove_delta(fine, epsilon)
+            assert lower <= hockey_stick.remove_delta(probe, epsilon)
+    assert hockey_stick.remove_lower_sum(hockey_stick.remove_table(gram, 1.0, points=101), 1.0) > 0.5 * \
+        hockey_stick.remove_delta(fine, 1.0)  # and it is not vacuous
+
+
+def test_three_bins_bound_lies_above_the_exact_divergence():
+    rng = np.random.default_rng(8)
+    m = rng.uniform(0.0, 1.0, size=(6, 3))
+    gram = 1.2 * m.T @ m
+    table = hockey_stick.remove_table(gram, 1.0)
+    for epsilon in [0.25, 1.0]:
+        assert three_bin_remove(gram, epsilon) * (1 - 1e-6) <= hockey_stick.remove_delta(table, epsilon)
+
+
+def test_the_split_table_is_skipped_only_where_it_is_too_costly():
+    assert hockey_stick.split_is_affordable(hockey_stick.SPLIT_MAX_BINS, 0.1)
+    assert not hockey_stick.split_is_affordable(hockey_stick.SPLIT_MAX_BINS + 1, 0.1)
+    assert hockey_stick.split_is_affordable(10_000, hockey_stick.HEAVY_OWN_BIN)

@@ -7,6 +7,7 @@ C = I, the Gaussian mechanism's own RDP alpha S^2 / (2 sigma^2), and the Monte C
 
 import itertools
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -240,14 +241,15 @@ def test_each_direction_is_converted_on_its_own():
 def test_seed_example_bound_and_its_monte_carlo_lower_confidence_bound():
     # The seed's example: 100 bins over 500 steps, BLT with up to 10 buffers, sigma = 1, delta = 1e-5.
     # Unamplified 27.23; the majorized RDP bound alone gave 25.88; exact order-2 moments give 23.81;
-    # the direct hockey-stick bounds 22.62 (issue 14's target: <= 23.0).
+    # the unsplit direct hockey-stick bounds 22.62; with the split remove bound 22.30. An independent
+    # Monte Carlo puts the truth at 22.05; issue 19's target: at most 2% above it.
     inner = dpftrl_acc.mf_gaussian(1.0, blt_strategy(max_buffers=10))
     with pytest.warns(dpftrl_acc.UnprovenAmplificationWarning):   # a BLT: not proven for adaptive gradients
         process = dpftrl_acc.balls_in_bins(inner, num_bins=100, n_steps=500, method="amplified")
     assert isinstance(process, dpftrl_acc.BallsInBinsRDP)
     epsilon = process.epsilon_at(1e-5)
-    assert epsilon <= 23.0
-    assert epsilon < process.rigorous.epsilon_at(1e-5) - 3.0
+    assert epsilon <= 22.05 * 1.02
+    assert epsilon < process.rigorous.epsilon_at(1e-5) - 4.5
     estimate = dpftrl_acc.balls_in_bins(inner, num_bins=100, n_steps=500, method="monte_carlo",
                                         num_samples=100_000, seed=5, confidence=0.999)
     # the Monte Carlo lower confidence bound on the true delta at our epsilon stays below 1e-5,
@@ -274,3 +276,101 @@ def test_rdp_is_an_alias_of_amplified():
     new = dpftrl_acc.balls_in_bins(inner, num_bins=4, n_steps=12, method="amplified")
     assert type(old) is type(new)
     assert old.epsilon_at(1e-5) == new.epsilon_at(1e-5)
+
+
+def test_demo_configuration_meets_the_issue_target():
+    # The demo: 1200 examples in 30 bins, 600 steps (20 epochs), BLT with up to 10 buffers, sigma
+    # 14.388. Unamplified 3.000 (the amplified bound was capped by it); an independent Monte Carlo
+    # puts the truth at 2.59 (1e-5) and 3.49 (1e-8). Issue 19: at most 5% above at 1e-5; the
+    # one-factor comparison proves 2.667 and 3.585.
+    inner = dpftrl_acc.mf_gaussian(14.388, blt_strategy(max_buffers=10))
+    with pytest.warns(dpftrl_acc.UnprovenAmplificationWarning):
+        process = dpftrl_acc.balls_in_bins(inner, num_bins=30, n_steps=600, method="amplified")
+    epsilon = process.epsilon_at(1e-5)
+    assert epsilon <= 2.59 * 1.05
+    assert epsilon < process.rigorous.epsilon_at(1e-5) - 0.3
+    assert process.delta_at(epsilon) <= 1e-5
+    assert process.epsilon_at(1e-8) <= 3.49 * 1.05
+    estimate = dpftrl_acc.balls_in_bins(inner, num_bins=30, n_steps=600, method="monte_carlo",
+                                        num_samples=120_000, seed=9, confidence=0.999)
+    for target in [1e-2, 1e-3]:
+        assert estimate.epsilon_estimate(target).lower <= process.epsilon_at(target)
+    for eps in [1.0, 1.5, 2.0]:
+        mc = estimate.delta_estimate(eps)
+        assert mc.remove.lower <= process.remove_delta(eps)
+        assert mc.add.lower <= process.add_delta(eps)
+
+
+def test_weight_fit_emits_no_warnings_where_weights_underflow():
+    # diagonal entries far apart relative to sigma^2: the fitted weights of some bins underflow to
+    # 0 (the old fit took ln 0 there and warned, then multiplied 0 by -inf)
+    b = 200
+    lag = np.abs(np.arange(b)[:, None] - np.arange(b)[None, :])
+    scale = np.linspace(10.0, 2.0, b)
+    gram = np.exp(-lag / 5.0) * np.sqrt(np.outer(scale, scale))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        weights = rdp_allocation.add_weight_candidates(gram, 0.05)
+        bound = add_rdp_upper_bound(gram, 0.05, weights=weights)
+    assert min(float(w.min()) for w in weights) == 0.0  # the case that used to warn
+    assert all(abs(float(w.sum()) - 1.0) < 1e-9 for w in weights)
+    uniform = weighted_add_rdp(gram, 0.05, np.full(b, 1.0 / b))
+    assert np.all(np.isfinite(bound)) and bound[0] < uniform[0]
+
+
+def test_majorized_groups_bound_the_ungrouped_product():
+    rng = np.random.default_rng(1)
+    b = 40
+    factor_matrix = rng.uniform(0.0, 1.0, size=(60, b))
+    gram = factor_matrix.T @ factor_matrix  # 40 distinct diagonal entries: grouped into 8
+    grouped = majorized_remove_rdp(gram, 2.0, max_order=12)
+    # the ungrouped product of the f_i, one at a time (the formula of the module docstring)
+    tau = gram[~np.eye(b, dtype=bool)].max()
+    counts = np.arange(13.0)
+    log_factorials = np.array([math.lgamma(c + 1.0) for c in counts])
+    pairs = counts * (counts - 1) / 2
+    product = np.full(13, -np.inf)
+    product[0] = 0.0
+    for diagonal in np.diag(gram):
+        log_f = (diagonal - tau) * pairs / 4.0 - log_factorials
+        product = np.array([logsumexp([product[i] + log_f[k - i] for i in range(k + 1)]) for k in range(13)])
+    orders = counts[2:]
+    ungrouped = (log_factorials[2:] - orders * math.log(b) + product[2:] + tau * pairs[2:] / 4.0) / (orders - 1)
+    assert np.all(grouped >= ungrouped * (1 - 1e-12))
+    assert np.all(grouped <= ungrouped + 0.05 * np.abs(ungrouped))
+    for order in (2, 3):
+        assert brute_force_remove_rdp(gram[:5, :5], 2.0, order) <= majorized_remove_rdp(gram[:5, :5], 2.0, 3)[order - 2] + 1e-12
+
+
+def test_many_bins_claim_no_majorized_bound_above_its_largest_order(monkeypatch):
+    gram = 2.0 * np.eye(6) + 0.5
+    monkeypatch.setattr(rdp_allocation, "MANY_BINS", 4)
+    bound = remove_rdp_upper_bound(gram, 1.0)
+    cap = rdp_allocation.MANY_BINS_MAX_ORDER
+    assert np.all(np.isinf(bound[cap - 1:])) and np.all(np.isfinite(bound[:cap - 1]))
+    np.testing.assert_allclose(bound[:cap - 1], majorized_remove_rdp(gram, 1.0, cap), rtol=0, atol=0.0)
+
+
+@pytest.mark.slow
+def test_calibration_sizes_are_quiet_and_fast():
+    # issue 19: the plans' calibrations evaluate 976 bins over 3 epochs and 781 bins over 20
+    # epochs 10-30 times; each evaluation after the first (which caches the sigma-free parts)
+    # must be quick and print nothing.
+    import time
+
+    strategy = blt_strategy()
+    for num_bins, n_steps, sigmas in [(976, 2928, (14.6, 5.3, 2.3)), (781, 15620, (48.8, 17.8, 7.5))]:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            warnings.simplefilter("ignore", dpftrl_acc.UnprovenAmplificationWarning)
+            first = dpftrl_acc.balls_in_bins(dpftrl_acc.mf_gaussian(sigmas[0], strategy), num_bins=num_bins,
+                                             n_steps=n_steps, method="amplified")
+            first.epsilon_at(1e-6)
+            for sigma in sigmas:
+                start = time.perf_counter()
+                process = dpftrl_acc.balls_in_bins(dpftrl_acc.mf_gaussian(sigma, strategy), num_bins=num_bins,
+                                                   n_steps=n_steps, method="amplified")
+                epsilon = process.epsilon_at(1e-6)
+                seconds = time.perf_counter() - start
+                assert epsilon < process.rigorous.epsilon_at(1e-6)  # amplified
+                assert seconds < 2.0  # about 0.1 s unloaded; generous for a shared CI machine

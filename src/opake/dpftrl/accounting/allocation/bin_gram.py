@@ -45,12 +45,32 @@ def has_non_negative_entries(rigorous) -> bool:
     return bool(np.all(rigorous.mechanism.toeplitz_coefficients(rigorous.n_steps) >= 0))
 
 
+# The last few Gram matrices, keyed by the strategy's coefficients and the number of bins: a
+# calibration prices one run at many noise multipliers, and G does not depend on sigma.
+_CACHE: dict = {}
+_CACHE_SIZE = 8
+
+
+def _cached_gram(coefficients: np.ndarray, num_bins: int) -> np.ndarray:
+    key = (int(num_bins), coefficients.shape[0], hash(coefficients.tobytes()))
+    found = _CACHE.get(key)
+    if found is not None and np.array_equal(found[0], coefficients):
+        return found[1]
+    gram = bin_gram_matrix(coefficients, num_bins)
+    gram.setflags(write=False)
+    if len(_CACHE) >= _CACHE_SIZE:
+        _CACHE.pop(next(iter(_CACHE)))
+    _CACHE[key] = (coefficients.copy(), gram)
+    return gram
+
+
 def bin_gram_of_run(rigorous, method: str) -> np.ndarray:
     """G for a balls-in-bins run (its resolved mechanism), refusing C with negative entries.
 
     The amplified dominating pair (MATH.md section 6) puts every step's gradient in the same
     direction, which is the worst case only when C >= 0 entrywise; for a Toeplitz C that means
-    every coefficient c_k >= 0 (true for a BLT inside the min-sep preconditions).
+    every coefficient c_k >= 0 (true for a BLT inside the min-sep preconditions). The result is
+    read-only and shared between runs with the same strategy coefficients and bins (cached).
     """
     coefficients = rigorous.mechanism.toeplitz_coefficients(rigorous.n_steps)
     negative = np.flatnonzero(coefficients < 0)
@@ -60,4 +80,4 @@ def bin_gram_of_run(rigorous, method: str) -> np.ndarray:
             f"method={method!r} needs a strategy matrix with non-negative entries (the balls-in-bins "
             f"dominating pair); this strategy has c_{k} = {float(coefficients[k])!r} < 0; use method='rigorous'"
         )
-    return bin_gram_matrix(coefficients, rigorous.num_bins)
+    return _cached_gram(np.ascontiguousarray(coefficients, dtype=np.float64), rigorous.num_bins)

@@ -39,7 +39,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 from scipy.special import gammaln
 
 from opake.accounting.process import certified_epsilon, check_delta, check_epsilon, smallest_epsilon
-from opake.dpftrl.accounting.allocation import hockey_stick
+from opake.dpftrl.accounting.allocation import factor, hockey_stick
 from opake.dpftrl.accounting.allocation.bin_gram import bin_gram_of_run
 from opake.dpftrl.noise.priced import PricedNoise
 
@@ -58,6 +58,30 @@ def _log_polynomial_product(log_a: np.ndarray, log_b: np.ndarray) -> np.ndarray:
     return top + np.log(np.exp(terms - top).sum(axis=0))
 
 
+_DIAGONAL_GROUPS = 8
+
+
+def _diagonal_groups(diagonal: np.ndarray) -> list:
+    """(value, count) pairs: the distinct values if few, else groups of consecutive sorted values at their maximum."""
+    values, counts = np.unique(diagonal, return_counts=True)
+    if values.shape[0] <= _DIAGONAL_GROUPS:
+        return list(zip(values.tolist(), counts.tolist()))
+    ordered = np.sort(diagonal)
+    return [(float(chunk.max()), int(chunk.shape[0])) for chunk in np.array_split(ordered, _DIAGONAL_GROUPS)]
+
+
+def _log_polynomial_power(log_a: np.ndarray, exponent: int) -> np.ndarray:
+    """Log coefficients of a^exponent, truncated, by repeated squaring (exponent >= 1)."""
+    result, square = None, log_a
+    while True:
+        if exponent & 1:
+            result = square if result is None else _log_polynomial_product(result, square)
+        exponent >>= 1
+        if not exponent:
+            return result
+        square = _log_polynomial_product(square, square)
+
+
 def majorized_remove_rdp(gram: np.ndarray, noise_multiplier: float, max_order: int = MAX_ORDER) -> np.ndarray:
     """Upper bounds on D_alpha(Q||P) for alpha = 2..max_order from the majorized Gram (module docstring)."""
     b = gram.shape[0]
@@ -69,16 +93,19 @@ def majorized_remove_rdp(gram: np.ndarray, noise_multiplier: float, max_order: i
     pair_counts = counts * (counts - 1.0) / 2.0
     product = np.full(max_order + 1, -np.inf)
     product[0] = 0.0
-    for diagonal in np.diag(gram):
+    # f_i's coefficients grow with G_ii, so raising each diagonal entry to the largest of its
+    # group (at most _DIAGONAL_GROUPS groups of consecutive sorted values) bounds the product
+    # coefficientwise; each group's power f^count is formed by repeated squaring.
+    for diagonal, count in _diagonal_groups(np.diag(gram)):
         log_factor = (diagonal - tau) * pair_counts / variance - log_factorials
-        product = _log_polynomial_product(product, log_factor)
+        product = _log_polynomial_product(product, _log_polynomial_power(log_factor, count))
     orders = counts[2:]
     log_moment = log_factorials[2:] - orders * math.log(b) + product[2:] + tau * pair_counts[2:] / variance
     return log_moment / (orders - 1.0)
 
 
 # The largest b for which order 3 (b^3 work, one matrix product) and order 4 (b^4) are summed exactly.
-EXACT_ORDER_3_MAX_BINS = 2048
+EXACT_ORDER_3_MAX_BINS = 512
 EXACT_ORDER_4_MAX_BINS = 160
 # Relative rounding allowance per summed term: float64 exp and products are within a few ulps,
 # and pairwise summation of N non-negative terms errs by far less than N ulps of the sum.
@@ -120,9 +147,20 @@ def exact_remove_rdp(gram: np.ndarray, noise_multiplier: float) -> dict:
     return divergences
 
 
+# Above MANY_BINS bins the majorized bound (whose cost is quadratic in the largest order) is
+# formed up to MANY_BINS_MAX_ORDER only; higher orders are left at +inf (no bound claimed).
+# There its tau is close to the diagonal (neighbouring bins correlate strongly), and the direct
+# hockey-stick bounds decide the remove direction anyway.
+MANY_BINS, MANY_BINS_MAX_ORDER = 256, 128
+
+
 def remove_rdp_upper_bound(gram: np.ndarray, noise_multiplier: float, max_order: int = MAX_ORDER) -> np.ndarray:
     """Upper bounds on D_alpha(Q||P) for alpha = 2..max_order: the exact low orders, else majorized."""
-    bound = majorized_remove_rdp(gram, noise_multiplier, max_order)
+    if gram.shape[0] > MANY_BINS and max_order > MANY_BINS_MAX_ORDER:
+        bound = np.full(max_order - 1, np.inf)
+        bound[:MANY_BINS_MAX_ORDER - 1] = majorized_remove_rdp(gram, noise_multiplier, MANY_BINS_MAX_ORDER)
+    else:
+        bound = majorized_remove_rdp(gram, noise_multiplier, max_order)
     for order, value in exact_remove_rdp(gram, noise_multiplier).items():
         if order <= max_order:
             bound[order - 2] = min(bound[order - 2], value)
@@ -175,21 +213,24 @@ def _optimized_weights(gram: np.ndarray, variance: float, order: int) -> np.ndar
     half_diagonal = np.diag(gram) / (2.0 * variance)
     curvature = (order - 1.0) / variance
 
-    def weights(coefficients):
+    def log_weights(coefficients):
+        # log-softmax: ln pi_j stays finite however large the logits get (pi_j may underflow
+        # to 0, ln pi_j does not), so pi ln(b pi) never meets 0 * ln 0
         logits = basis @ coefficients
-        shifted = np.exp(logits - logits.max())
-        return shifted / shifted.sum()
+        top = float(logits.max())
+        return logits - (top + math.log(float(np.exp(logits - top).sum())))
 
     def objective(coefficients):
-        pi = weights(coefficients)
+        log_pi = log_weights(coefficients)
+        pi = np.exp(log_pi)
         g_pi = gram @ pi
-        value = pi @ half_diagonal + pi @ np.log(b * pi) + 0.5 * curvature * (pi @ g_pi)
-        gradient_pi = half_diagonal + np.log(b * pi) + 1.0 + curvature * g_pi
+        value = pi @ half_diagonal + pi @ (log_pi + math.log(b)) + 0.5 * curvature * (pi @ g_pi)
+        gradient_pi = half_diagonal + log_pi + math.log(b) + 1.0 + curvature * g_pi
         return value, basis.T @ (pi * (gradient_pi - pi @ gradient_pi))  # chain rule through the softmax
 
     start = np.zeros(_WEIGHT_BASIS_DEGREE + 1)
     result = scipy.optimize.minimize(objective, start, jac=True, method="L-BFGS-B", options={"maxiter": 30})
-    return weights(result.x)
+    return np.exp(log_weights(result.x))
 
 
 def add_weight_candidates(gram: np.ndarray, noise_multiplier: float, max_order: int = MAX_ORDER) -> list:
@@ -229,10 +270,12 @@ class BallsInBinsRDP:
     """Rigorous amplified balls-in-bins bound of the dominating pair; never worse than ``rigorous``.
 
     ``remove[i]`` bounds D_alpha(Q||P) and ``add[i]`` bounds D_alpha(P||Q), alpha = i + 2, each
-    converted on its own by CKS20 Prop. 12; ``remove_table`` (built on first use, O(b^2 N)) and
-    ``add_candidates`` give the direct hockey-stick bounds of ``allocation/hockey_stick.py``. Per direction the smaller
-    epsilon of the two is taken, the run's epsilon is the larger of the two directions', and the
-    unamplified bound caps it.
+    converted on its own by CKS20 Prop. 12; ``add_candidates`` gives the add direction's direct
+    hockey-stick bound, and the remove direction has two more (``allocation/hockey_stick.py``:
+    ``remove_table``, built on first use, O(b^2 N), and only when a cheap probe shows it can beat
+    the others; ``allocation/factor.py``: ``factor_tables``, the one-factor comparison). Per
+    direction the smallest delta (the smallest epsilon) of its bounds is taken, the run's epsilon
+    is the larger of the two directions', and the unamplified bound caps it.
     """
 
     rigorous: object  # BallsInBins
@@ -240,16 +283,38 @@ class BallsInBinsRDP:
     add: np.ndarray
     gram: np.ndarray
     add_candidates: hockey_stick.AddCandidates
+    factor_tables: tuple = ()
 
     is_guarantee = True
 
+    def _cached(self, name: str, build):
+        value = self.__dict__.get(name)
+        if value is None:
+            value = build()
+            object.__setattr__(self, name, value)
+        return value
+
     @property
     def remove_table(self) -> hockey_stick.RemoveTable:
-        table = self.__dict__.get("_remove_table")
-        if table is None:
-            table = hockey_stick.remove_table(self.gram, self.rigorous.bound.noise_multiplier)
-            object.__setattr__(self, "_remove_table", table)
-        return table
+        return self._cached("_remove_table", lambda: hockey_stick.remove_table(
+            self.gram, self.rigorous.bound.noise_multiplier))
+
+    @property
+    def remove_probe(self) -> hockey_stick.RemoveTable:
+        """The same bound on a few grid points: its lower sum says whether ``remove_table`` can help."""
+        points = hockey_stick.probe_points(self.gram.shape[0])
+        return self._cached("_remove_probe", lambda: hockey_stick.remove_table(
+            self.gram, self.rigorous.bound.noise_multiplier, points))
+
+    def _split_may_reach(self, epsilon: float, delta: float) -> bool:
+        """Whether to use the split bound at ``epsilon``: not when it is too costly for this run,
+        nor when its probe proves it stays above ``delta`` there (then it cannot lower a minimum)."""
+        if "_remove_table" in self.__dict__:
+            return True
+        largest = float(np.diag(self.gram).max()) / self.rigorous.bound.noise_multiplier ** 2
+        if not hockey_stick.split_is_affordable(self.gram.shape[0], largest):
+            return False
+        return hockey_stick.remove_lower_sum(self.remove_probe, epsilon) < delta
 
     @property
     def rdp(self) -> np.ndarray:
@@ -291,9 +356,19 @@ class BallsInBinsRDP:
             f"bounds), capped by the unamplified bound ({self.rigorous.bound.description})"
         )
 
+    def _cheap_remove_delta(self, epsilon: float) -> float:
+        return min(rdp_delta(self.remove, epsilon), factor.factor_remove_deltas(self.factor_tables, epsilon))
+
     def remove_delta(self, epsilon: float) -> float:
-        """Upper bound on H_{e^epsilon}(Q||P) (the remove direction)."""
-        return min(rdp_delta(self.remove, epsilon), hockey_stick.remove_delta(self.remove_table, epsilon))
+        """Upper bound on H_{e^epsilon}(Q||P) (the remove direction): the smallest of its bounds.
+
+        The split bound's table is built only when its probe's lower sum does not already exceed
+        the others (then it could not lower the minimum), so the value is the same either way.
+        """
+        value = self._cheap_remove_delta(epsilon)
+        if self._split_may_reach(epsilon, value):
+            value = min(value, hockey_stick.remove_delta(self.remove_table, epsilon))
+        return value
 
     def add_delta(self, epsilon: float) -> float:
         """Upper bound on H_{e^epsilon}(P||Q) (the add direction)."""
@@ -307,8 +382,12 @@ class BallsInBinsRDP:
         add = min(rdp_epsilon(self.add, delta), cap)
         add = _lowered(lambda eps: hockey_stick.add_delta(self.add_candidates, eps), delta, add)
         remove = min(rdp_epsilon(self.remove, delta), cap)
-        if remove > add:  # the remove direction decides only above the add direction's epsilon
-            remove = _lowered(lambda eps: hockey_stick.remove_delta(self.remove_table, eps), delta, remove)
+        # The remove direction decides only above the add direction's epsilon: each further bound
+        # is searched in [add, remove], the costly split bound only if its probe allows it.
+        if remove > add:
+            remove = _lowered(lambda eps: factor.factor_remove_deltas(self.factor_tables, eps), delta, remove, add)
+        if remove > add and self._split_may_reach(remove, delta):
+            remove = _lowered(lambda eps: hockey_stick.remove_delta(self.remove_table, eps), delta, remove, add)
         return certified_epsilon(self.delta_at, delta, min(max(remove, add), cap), upper=cap)
 
     def delta_at(self, epsilon: float) -> float:
@@ -316,10 +395,18 @@ class BallsInBinsRDP:
         return min(max(self.remove_delta(epsilon), self.add_delta(epsilon)), self.rigorous.delta_at(epsilon))
 
 
-def _lowered(delta_of_epsilon, delta: float, epsilon: float) -> float:
-    """``epsilon`` (already certified), lowered to where the direct bound certifies delta if that is smaller."""
-    found = smallest_epsilon(delta_of_epsilon, delta, epsilon, rtol=1e-5)
-    return epsilon if found is None else found
+def _lowered(delta_of_epsilon, delta: float, epsilon: float, floor: float = 0.0) -> float:
+    """``epsilon`` (already certified), lowered to where the direct bound certifies delta if that is smaller.
+
+    Searched in [floor, epsilon] only (below ``floor`` another direction decides): ``floor`` itself
+    when the bound certifies delta there.
+    """
+    if floor > 0.0:
+        found = smallest_epsilon(lambda x: delta_of_epsilon(floor + x), delta, epsilon - floor, rtol=1e-5)
+        found = None if found is None else floor + found
+    else:
+        found = smallest_epsilon(delta_of_epsilon, delta, epsilon, rtol=1e-5)
+    return epsilon if found is None else min(found, epsilon)
 
 
 def rdp_allocation(rigorous) -> BallsInBinsRDP:
@@ -332,4 +419,5 @@ def rdp_allocation(rigorous) -> BallsInBinsRDP:
     remove.setflags(write=False)
     add.setflags(write=False)
     gram.setflags(write=False)
-    return BallsInBinsRDP(rigorous, remove, add, gram, hockey_stick.add_candidates(gram, sigma, weights))
+    tables = tuple(factor.factor_table(certificate, sigma) for certificate in factor.useful_certificates(gram, sigma))
+    return BallsInBinsRDP(rigorous, remove, add, gram, hockey_stick.add_candidates(gram, sigma, weights), tables)
