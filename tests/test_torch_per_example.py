@@ -19,6 +19,7 @@ from opake.torch.per_example import (
     PerExampleClipper,
     UnsupportedModuleError,
 )
+from opake.torch.per_example import bookkeeping
 from opake.torch.per_example.rules import conv as conv_rules
 from opake.torch.per_example.rules import embedding as embedding_rules
 from opake.torch.per_example.rules import linear as linear_rules
@@ -212,15 +213,43 @@ def test_conv_route_is_chosen_from_the_shapes(layer, shape, route):
     assert offered == (("bias",) if route == "ghost" else ("weight", "bias"))
 
 
-def test_kept_gradients_stay_within_the_budget():
-    # The second layer's weight (B x 288) exceeds what is left of the budget (the hooks hold
-    # B x (8 + 4 + 3) x 16 output gradients, less the first layer's kept B x 80): it goes
-    # through its norms and a weighted convolution backward, the rest is kept; the sums still
-    # equal the oracle's.
+def test_kept_layers_release_their_tensors_and_return_them_to_the_budget():
+    # The hooks hold B x (8 + 4 + 3) x 16 output gradients: the budget. The first layer keeps its
+    # B x 80 gradients and drops its stored input and output gradients (B x (16 + 128)), which
+    # returns them to the budget, so the second layer's B x 292 fit too, and then the third's; the
+    # sums still equal the oracle's.
     torch.manual_seed(0)
     model = nn.Sequential(
         nn.Conv2d(1, 8, 3, padding=1), nn.Tanh(), nn.Conv2d(8, 4, 3, padding=1), nn.Tanh(), nn.Conv2d(4, 3, 1),
     ).to(F64)
+    inputs = torch.randn(3, 1, 4, 4, dtype=F64)
+    kept, released = [], []
+    per_example_grads = conv_rules.ConvRule.per_example_grads
+    release = bookkeeping._release
+
+    def spy(self, module, stored, grads, names, dtype):
+        kept.append((module.in_channels, tuple(names)))
+        return per_example_grads(self, module, stored, grads, names, dtype)
+
+    def spy_release(call):
+        released.append(call.layer.module.in_channels)
+        release(call)
+        assert call.stored is None and all(grad is None for grad in call.grads)
+
+    with mock.patch.object(conv_rules.ConvRule, "per_example_grads", spy), \
+            mock.patch.object(bookkeeping, "_release", spy_release):
+        check_against_reference(model, inputs, _targets_like(model, inputs))
+    assert sorted(kept) == [(1, ("weight", "bias")), (4, ("weight", "bias")), (8, ("weight", "bias"))]
+    assert sorted(released) == [1, 4, 8]
+
+
+def test_kept_gradients_stay_within_the_budget():
+    # Every parameter offered. The hooks hold B x (32 + 64) output gradients; the first layer keeps
+    # its B x 4 and releases B x (16 + 32), leaving B x 140: the second layer's weight (B x 200)
+    # does not fit, its bias does, and the weight goes through its ghost norms and a weighted
+    # convolution backward; the sums still equal the oracle's.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 2, 1), nn.Tanh(), nn.Conv2d(2, 4, 5, padding=2)).to(F64)
     inputs = torch.randn(3, 1, 4, 4, dtype=F64)
     kept = []
     per_example_grads = conv_rules.ConvRule.per_example_grads
@@ -229,9 +258,10 @@ def test_kept_gradients_stay_within_the_budget():
         kept.append((module.in_channels, tuple(names)))
         return per_example_grads(self, module, stored, grads, names, dtype)
 
-    with mock.patch.object(conv_rules.ConvRule, "per_example_grads", spy):
+    with mock.patch.object(conv_rules.ConvRule, "per_example_grads", spy), \
+            mock.patch.object(conv_rules.ConvRule, "materialized", lambda self, module, stored, grads, names: names):
         check_against_reference(model, inputs, _targets_like(model, inputs))
-    assert sorted(kept) == [(1, ("weight", "bias")), (4, ("weight", "bias")), (8, ("bias",))]
+    assert sorted(kept) == [(1, ("weight", "bias")), (2, ("bias",))]
 
 
 @pytest.mark.parametrize("kept", [False, True])
@@ -499,6 +529,28 @@ def test_tied_table_is_kept_by_the_heads_cost_model():
     stored, grad = torch.zeros(2, 64, 128), torch.zeros(2, 64, 2048)
     assert tied_rules.keeps_per_example(stored, [grad])
     assert not tied_rules.keeps_per_example(stored[:, :8], [grad[:, :8]])
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_tied_table_kept_per_example_matches_the_ghost_route_and_the_loop(reduction, monkeypatch):
+    # At T = 12 the head's cost model keeps the tied table's per-example gradients (formed once
+    # for both layers, rules/tied.py); the clipped sums must equal the batch-size-1 loop, as the
+    # ghost route with its cross term does (forced below), padding tokens included.
+    torch.manual_seed(0)
+    model = _TinyTransformer(tie=True, length=12, shared_positions=True).to(F64)
+    tokens = torch.randint(0, 7, (4, 12), generator=_seeded(6))
+    tokens[1, 8:] = 0  # padding_idx
+    stored, grad = torch.zeros(1, 12, 8), torch.zeros(1, 12, 7)
+    assert tied_rules.keeps_per_example(stored, [grad])
+    formed = []
+    original = tied_rules.per_example_grads
+    monkeypatch.setattr(tied_rules, "per_example_grads", lambda *a: formed.append(1) or original(*a))
+    check_against_reference(model, tokens, tokens, loss=_next_token_loss, loss_reduction=reduction)
+    assert formed, "the tied table was not kept per example"
+    monkeypatch.setattr(tied_rules, "keeps_per_example", lambda *a: False)
+    formed.clear()
+    check_against_reference(model, tokens, tokens, loss=_next_token_loss, loss_reduction=reduction)
+    assert not formed
 
 
 def test_layer_called_twice_in_one_pass():

@@ -138,7 +138,7 @@ class DPOptimizer(torch.optim.Optimizer):
                 f"loop runs (make_private(..., epochs=...))"
             )
         try:
-            sums = self.clipper.clipped_sum()
+            sums = self.clipper.clipped_sum(copy=False)  # read only: divided below into new tensors
             examples = self.clipper.examples
         except ClipperUsageError:
             if self.clipper.passes:  # backward passes were clipped: a misuse the clipper named

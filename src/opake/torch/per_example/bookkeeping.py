@@ -8,7 +8,10 @@ for some of its parameters to be materialized and kept (``LayerRule.materialized
 convolution's, whose sum is then a matrix-vector product instead of a second convolution
 backward); that is granted in call order while the kept gradients total at most the elements
 of the output gradients the hooks hold for the pass, so the pass's memory at most doubles (the
-2-conv CNN of issue 13 keeps both layers: B x 13.2k against B x 18.8k). Norms are reduced in
+2-conv CNN of issue 13 keeps both layers: B x 13.2k against B x 18.8k). A layer all of whose
+parameters are kept needs neither its stored input nor its output gradients after pass 1; they
+are dropped as soon as its gradients are formed, and what that frees returns to the budget
+(``_grant_kept``: tiny GPT-2 at T = 64 then keeps every projection and its tied table). Norms are reduced in
 float32 (float64 for float64 layers); a parameter whose squares overflow is recomputed in float64 from
 the same stored tensors, and one that is still not finite raises.
 
@@ -140,10 +143,8 @@ def _tied_squares(held: list[tuple[LayerCall, str]], dtype, own: torch.Tensor | 
             call.layer.rule.squared_norms(call.layer.module, call.stored, call.grads, [local], dtype)[local]
             for call, local in held
         )
-    embedding, linear = sorted(held, key=lambda holder: not isinstance(holder[0].layer.rule, EmbeddingRule))
-    cross = tied.cross_term(
-        embedding[0].layer.module, embedding[0].stored, embedding[0].grads, linear[0].stored, linear[0].grads, dtype
-    )
+    embedding, head = _tied_holders(held)
+    cross = tied.cross_term(embedding.layer.module, embedding.stored, embedding.grads, head.stored, head.grads, dtype)
     return (own + 2 * cross).clamp_(min=0)
 
 
@@ -191,22 +192,17 @@ def clip_forward_pass(
     for call in calls:
         if not call.layer.rule.ghost:
             dense_names.update(call.layer.global_names)
-    # What ghost rules would rather keep, granted in call order within the budget.
-    budget = sum(grad.numel() for call in calls for grad in call.grads if grad is not None)
-    for call in calls:
-        layer = call.layer
-        if not layer.rule.ghost:
-            continue
-        for local in layer.rule.materialized(layer.module, call.stored, call.grads, layer.local_names):
-            name = layer.global_names[layer.local_names.index(local)]
-            size = batch * layer.parameters[layer.local_names.index(local)].numel()
-            if name not in dense_names and name not in tied_names and size <= budget:
-                budget -= size
-                dense_names.add(name)
+    tied_kept, released = {}, set()
+    if units is None:
+        tied_kept, released = _grant_kept(calls, batch, dense_names, tied_names, holders)
+        tied_names = tied_names - set(tied_kept)
+    else:
+        _grant_kept_by_name(calls, batch, dense_names, tied_names, _held_elements(calls))
 
     factor_dtype = _factor_dtype(device)
     if grouping is None:
-        squared, per_example, ghost_owner = _example_squares(calls, dense_names, tied_names, holders)
+        squared, per_example, ghost_owner = _example_squares(calls, dense_names, tied_names, holders, tied_kept,
+                                                             released)
     else:
         squared, per_example = _unit_squares(calls, dense_names, tied_names, holders, grouping, regroup)
     total = _total(squared, device, factor_dtype)
@@ -278,12 +274,124 @@ def clip_forward_pass(
                        None if grouping is None else grouping.count)
 
 
-def _example_squares(calls, dense_names, tied_names, holders):
+def _held_elements(calls: list[LayerCall]) -> int:
+    """Elements of the output gradients the hooks hold for the pass: the budget for kept gradients."""
+    return sum(grad.numel() for call in calls for grad in call.grads if grad is not None)
+
+
+def _grant_kept_by_name(calls, batch: int, dense_names: set, tied_names: set, budget: int) -> int:
+    """Grant what ghost rules would rather keep (``materialized``), name by name in call order,
+    while it fits in ``budget`` elements; ``dense_names`` grows in place. Returns what is left."""
+    for call in calls:
+        layer = call.layer
+        if not layer.rule.ghost:
+            continue
+        for local in layer.rule.materialized(layer.module, call.stored, call.grads, layer.local_names):
+            index = layer.local_names.index(local)
+            name = layer.global_names[index]
+            size = batch * layer.parameters[index].numel()
+            if name not in dense_names and name not in tied_names and size <= budget:
+                budget -= size
+                dense_names.add(name)
+    return budget
+
+
+def _releasable(calls: list[LayerCall]) -> dict[int, int]:
+    """Per call (by id): the elements its stored input and output gradients free when dropped,
+    counting only tensors whose storage no other call holds (q, k and v projections share an input)."""
+    def tensors(call):
+        stored = [call.stored] if isinstance(call.stored, torch.Tensor) else []
+        return stored + [grad for grad in call.grads if grad is not None]
+
+    holders: dict[tuple, int] = {}
+    for call in calls:
+        for tensor in tensors(call):
+            key = (tensor.device, tensor.untyped_storage().data_ptr())
+            holders[key] = holders.get(key, 0) + 1
+    return {
+        id(call): sum(tensor.numel() for tensor in tensors(call)
+                      if holders[(tensor.device, tensor.untyped_storage().data_ptr())] == 1)
+        for call in calls
+    }
+
+
+def _grant_kept(calls, batch: int, dense_names: set, tied_names: set, holders) -> tuple[dict, set]:
+    """Which per-example gradients to form once and keep for both passes, within the memory budget.
+
+    The budget is the elements of the output gradients the hooks hold (pass memory at most
+    doubles). A call whose every parameter is then kept needs neither its stored input nor its
+    output gradients after pass 1: they are dropped as soon as its gradients are formed
+    (``released``, by call id), and what that frees returns to the budget. Grants go in the order
+    pass 1 forms them, each only if its gradients fit before its own tensors are dropped, so the
+    pass's live elements never exceed the held ones plus the budget. First a tied table, when the
+    head's cost model prefers it kept (rules/tied.py; formed once for both layers), then each
+    layer's offered parameters, together where that releases the call, otherwise name by name.
+    Returns the tied tables kept (name -> their Embedding and head calls) and ``released``;
+    ``dense_names`` grows in place.
+    """
+    budget = _held_elements(calls)
+    frees = _releasable(calls)
+    tied_kept: dict[str, tuple[LayerCall, LayerCall]] = {}
+    released: set[int] = set()
+
+    def whole(call, extra=()):
+        names = set(call.layer.global_names)
+        return names <= (dense_names | set(extra))
+
+    for name in sorted(tied_names):
+        embedding, head = _tied_holders(holders[name])
+        size = batch * embedding.layer.module.weight.numel()
+        if not tied.keeps_per_example(head.stored, head.grads) or size > budget:
+            continue
+        tied_kept[name] = (embedding, head)
+        dense_names.add(name)
+        budget -= size
+        for call in (embedding, head):
+            if whole(call):
+                released.add(id(call))
+                budget += frees[id(call)]
+    for call in calls:
+        layer = call.layer
+        if not layer.rule.ghost or id(call) in released:
+            continue
+        offered = [
+            (layer.global_names[layer.local_names.index(local)], layer.parameters[layer.local_names.index(local)])
+            for local in layer.rule.materialized(layer.module, call.stored, call.grads, layer.local_names)
+        ]
+        offered = [(name, param) for name, param in offered if name not in dense_names and name not in tied_names]
+        size = sum(batch * param.numel() for _, param in offered)
+        if offered and size <= budget and whole(call, [name for name, _ in offered]):
+            dense_names.update(name for name, _ in offered)
+            released.add(id(call))
+            budget += frees[id(call)] - size
+        else:
+            budget = _grant_kept_by_name([call], batch, dense_names, tied_names, budget)
+    return tied_kept, released
+
+
+def _tied_holders(held: list[tuple[LayerCall, str]]) -> tuple[LayerCall, LayerCall]:
+    """The (Embedding, Linear head) calls of a tied pair."""
+    embedding, head = sorted(held, key=lambda holder: not isinstance(holder[0].layer.rule, EmbeddingRule))
+    return embedding[0], head[0]
+
+
+def _example_squares(calls, dense_names, tied_names, holders, tied_kept=None, released=frozenset()):
     """Pass 1 per example: (B,) squared norms by parameter name, the kept per-example gradients
-    (B, ...) of ``dense_names``, and which call's ghost norms gave each other name."""
+    (B, ...) of ``dense_names``, and which call's ghost norms gave each other name. ``tied_kept``
+    (name -> its Embedding and head calls, both in ``dense_names``) are formed once for the pair.
+    The calls in ``released`` (ids) drop their stored tensors once their gradients are formed."""
     squared: dict[str, torch.Tensor] = {}
     ghost_owner: dict[str, tuple[LayerCall, str]] = {}
     per_example: dict[str, torch.Tensor] = {}
+    tied_kept = tied_kept or {}
+    for name, (embedding, head) in tied_kept.items():
+        per_example[name] = tied.per_example_grads(
+            embedding.layer.module, embedding.stored, embedding.grads, head.stored, head.grads,
+            _layer_dtype(head.layer),
+        )
+        for call in (embedding, head):
+            if id(call) in released:
+                _release(call)
     for call in calls:
         layer, dtype = call.layer, _layer_dtype(call.layer)
         pairs = list(zip(layer.local_names, layer.global_names))
@@ -297,12 +405,20 @@ def _example_squares(calls, dense_names, tied_names, holders):
                     else:
                         squared[name] = squares[local]
                         ghost_owner[name] = (call, local)
-        _add_per_example(call, dense_names, per_example, dtype)
+        _add_per_example(call, dense_names - set(tied_kept), per_example, dtype)
+        if id(call) in released:
+            _release(call)
     for name, grads in per_example.items():
         squared[name] = squared_frobenius(grads)
     for name in tied_names:
         squared[name] = _tied_squares(holders[name], _layer_dtype(holders[name][0][0].layer), squared[name])
     return squared, per_example, ghost_owner
+
+
+def _release(call: LayerCall) -> None:
+    """Drop a call's stored input and output gradients (all its parameters are kept per example)."""
+    call.stored = None
+    call.grads = [None] * len(call.grads)
 
 
 def _add_per_example(call: LayerCall, dense_names, per_example: dict, dtype) -> None:

@@ -227,12 +227,14 @@ class PerExampleClipper:
         self._regroup_units = bool(regroup)
         self._units_taken = 0
 
-    def clipped_sum(self) -> dict[str, torch.Tensor]:
+    def clipped_sum(self, copy: bool = True) -> dict[str, torch.Tensor]:
         """Per trainable parameter name: the sum of the clipped per-example gradients so far.
 
         Parameters not reached by any backward pass get zeros. Tensors have the parameter's
         shape and device and dtype, except float32 for bfloat16/float16 parameters. They are
-        new tensors: the clipper keeps no reference to them.
+        new tensors: the clipper keeps no reference to them. ``copy=False`` returns the clipper's
+        own running sums instead (no copy), which the caller must not modify (DPOptimizer reads
+        them once per step).
         """
         self._close_passes(only_received=False)
         if not self._passes:
@@ -252,9 +254,10 @@ class PerExampleClipper:
         result = {}
         for name, param in self._plan.trainable.items():
             total = self._sums.get(name)
-            result[name] = (
-                total.clone() if total is not None else torch.zeros_like(param, dtype=sum_dtype(param.dtype))
-            )
+            if total is None:
+                result[name] = torch.zeros_like(param, dtype=sum_dtype(param.dtype))
+            else:
+                result[name] = total.clone() if copy else total
         return result
 
     def skip_autograd_weight_gradients(self, enabled: bool = True) -> None:
