@@ -119,6 +119,22 @@ def test_default_recipe_unchanged():
     assert np.array_equal(mech.theta, direct.params.theta) and np.array_equal(mech.omega, direct.params.omega)
 
 
+def test_schedule_repr_is_full_when_short_and_a_digest_when_long():
+    short = blt_strategy(workload="parameters", momentum=0.9, lr_schedule=[0.5, 0.25, 0.125])
+    assert "lr_schedule=(0.5, 0.25, 0.125)" in repr(short)   # as before: earlier fingerprints stay
+    eta = np.linspace(1.0, 0.01, 1000)
+    long = blt_strategy(workload="parameters", momentum=0.9, lr_schedule=eta)
+    assert isinstance(long.lr_schedule, tuple) and all(type(v) is float for v in long.lr_schedule[:3])
+    assert long.lr_schedule == tuple(float(v) for v in eta)
+    text = repr(long)
+    assert "<1000 values sha256:" in text and len(text) < 300
+    # the summary still depends on every value: one changed value changes the repr
+    changed = eta.copy()
+    changed[517] = np.nextafter(changed[517], 2.0)
+    assert repr(blt_strategy(workload="parameters", momentum=0.9, lr_schedule=changed)) != text
+    assert repr(blt_strategy(workload="parameters", momentum=0.9, lr_schedule=eta.copy())) == text
+
+
 def test_workload_fields_take_part_in_equality_and_fingerprint():
     base = blt_strategy(max_buffers=2, workload="parameters", momentum=0.9)
     others = [blt_strategy(max_buffers=2, momentum=0.9),

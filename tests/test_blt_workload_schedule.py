@@ -111,6 +111,64 @@ def test_compression_of_an_unstructured_schedule_is_exact_or_says_how_far():
 # rows and max against the dense oracle and the O(n) recursion
 
 
+def _loop_recurrence(rho, f):
+    """x_t = rho x_(t-1) + f_t, one step at a time (the reference)."""
+    out = np.empty_like(f)
+    for i in range(f.shape[0]):
+        acc = 0.0 * f[i, 0]
+        for t in range(f.shape[1]):
+            acc = rho[i] * acc + f[i, t]
+            out[i, t] = acc
+    return out
+
+
+@pytest.mark.parametrize("n", [1, 7, 32, 33, 1000, 5000])
+def test_first_order_recurrence_matches_a_loop(n):
+    rng = np.random.default_rng(n)
+    rho = np.array([1.0, 1.0 - 1e-13, 1.0 - 1e-12, 0.999, 0.9, 0.5, 1e-3, 0.0])
+    f = rng.normal(size=(rho.shape[0], n))
+    want = _loop_recurrence(rho, f)
+    got = blt_workload.first_order_recurrence(rho, f)
+    scale = _loop_recurrence(rho, np.abs(f))                       # the sum of |terms| at each t
+    assert np.all(np.abs(got - want) <= 1e-13 * scale)
+    # complex step: rho + i h rho', f + i h f'; the imaginary part to its own precision
+    h = 1e-20
+    drho, df = rng.uniform(-1.0, 1.0, size=rho.shape), rng.normal(size=f.shape)
+    rho_c, f_c = rho + 1j * h * drho, f + 1j * h * df
+    want_c = _loop_recurrence(rho_c, f_c)
+    got_c = blt_workload.first_order_recurrence(rho_c, f_c)
+    assert np.all(np.abs(got_c.real - want_c.real) <= 1e-13 * scale)
+    # d x_t = rho d x_(t-1) + (drho x_(t-1) + df_t): bounded by the recurrence of |.| of both parts
+    imag_scale = _loop_recurrence(rho, np.abs(df) + np.abs(drho)[:, None] * np.abs(np.concatenate(
+        [np.zeros((rho.shape[0], 1)), want[:, :-1]], axis=1)))
+    assert np.all(np.abs(got_c.imag - want_c.imag) <= 1e-13 * h * imag_scale)
+
+
+def test_blocked_powers_match_direct_powers():
+    leaks = np.array([1e-14, 1e-9, 1e-4, 0.1, 0.5, 1.0])
+    n = 5000
+    k = np.arange(n, dtype=np.float64)
+    want = np.array([[float((1.0 - q) ** int(j)) for j in k[:40]] for q in leaks])
+    got = blt_workload._powers(leaks, n)
+    assert got.shape == (leaks.shape[0], n)
+    np.testing.assert_allclose(got[:, :40], want, rtol=4e-16, atol=0.0)
+    # far out: against the long double power of the same float64 ratio 1 - q
+    ld = np.power((1.0 - leaks).astype(np.longdouble)[:, None], k.astype(np.longdouble))
+    np.testing.assert_allclose(got, ld.astype(np.float64), rtol=4e-16, atol=1e-300)
+    # complex step: d/dq (1 - q)^k = -k (1 - q)^(k-1)
+    h = 1e-20
+    got_c = blt_workload._powers(leaks[:-1] + 1j * h, n)
+    # (the complex route works from q itself, through log1p: no rounding of 1 - q)
+    exact = np.exp(k.astype(np.longdouble) * np.log1p(-leaks[:-1].astype(np.longdouble))[:, None])
+    # exp(k log r): the rounding of log r grows with k |log r| (as for the O(n) route before)
+    exponent = k * np.abs(np.log1p(-leaks[:-1]))[:, None]
+    live = exact > 1e-290
+    err = np.abs(got_c.real - exact.astype(np.float64))[live] / exact.astype(np.float64)[live]
+    assert np.all(err <= 4e-16 * (2.0 + exponent[live]))
+    slope = -k * np.exp(np.maximum(k - 1.0, 0.0) * np.log1p(-leaks[:-1])[:, None])
+    np.testing.assert_allclose(got_c.imag / h, slope, rtol=1e-12, atol=1e-300)
+
+
 @pytest.mark.parametrize("setting", SETTINGS)
 @pytest.mark.parametrize("name", ["constant", "cosine", "step", "warmup-linear"])
 def test_rows_match_torch_sgd_oracle(setting, name):
@@ -146,6 +204,24 @@ def test_max_matches_the_recursion(n, name):
             rows = blt_workload.scheduled_parameter_rows(d.leak, d.leak_hat, d.omega_hat, workload, n, eta)
             got = fast.error(d.leak, d.leak_hat, d.omega_hat)
             assert got == pytest.approx(rows.max(), rel=1e-9), (setting, buffers, int(np.argmax(rows)))
+
+
+def test_runs_open_neighbouring_candidates_together_and_respect_the_best_so_far():
+    from opake.dpftrl.strategies.blt_schedule import _runs
+
+    cands = [(5, 3.0), (6, 2.5), (2, 2.0), (3, 1.8), (9, 1.5), (10, 1.4)]   # most promising first
+    kinds = {2: "window", 3: "fine", 5: "fine", 6: "fine", 9: "skip", 10: "fine"}
+    best = {"value": 1.0}
+    runs = list(_runs(cands, best, kinds.get))
+    # 5 and 6 together; 2 and 3 are neighbours of different kinds; 9 is never opened
+    assert runs == [(5, 6, "fine"), (2, 2, "window"), (3, 3, "fine"), (10, 10, "fine")]
+    # a best raised between runs (by the run just opened) skips what no longer beats it
+    best = {"value": 1.0}
+    got = []
+    for run in _runs(cands, best, kinds.get):
+        got.append(run)
+        best["value"] = 1.9
+    assert got == [(5, 6, "fine"), (2, 2, "window")]
 
 
 def test_max_of_near_ties_between_distant_maxima():

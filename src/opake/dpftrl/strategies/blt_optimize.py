@@ -42,16 +42,19 @@ BUFFER_GAIN); the chosen count is then polished to about the 8th digit of the lo
 Under a learning-rate schedule (SGD's parameter workload, max error; also dampening without a
 schedule) the loss is steered by ``blt_schedule.ScheduledParameterErrors``, built once per
 optimize call, and the reported errors come from the exact O(nB) rows (``_finish``). The count
-search then differs in three ways (docs/blt.md, "Buffer count"): from B = 3 on a second start
-spread only up to n / e races the usual one (12 iterations each), because the optimum's slowest
+search then differs in four ways (docs/blt.md, "Buffer count"): from B = 3 on a second start
+spread only up to n / e races the usual one (6 iterations each), because the optimum's slowest
 buffer is shorter than the horizon and the usual start can end in a basin that wastes one; a
 count that ends above the previous count restarts from the previous optimum grown by one buffer
-(``_grown_start``), so the losses by count do not go backwards; and counts are compared at a
-stall tolerance 10x finer than BUFFER_GAIN. Without a schedule nothing changes (same iterates).
+(``_grown_start``), so the losses by count do not go backwards; counts are compared at a
+stall tolerance 10x finer than BUFFER_GAIN; and a run also stops once 15 evaluations gained less
+than its tolerance (a converged max-of-rows objective spends many line-search evaluations per
+iteration). Without a schedule nothing changes (same iterates).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -68,9 +71,11 @@ _STALL_WINDOW = 10
 _STEP = 1e-20  # complex-step size: exact to O(h^2), no subtraction
 _EXPLORE_STALL, _EXPLORE_ITERATIONS = 1e-6, 150
 _RACE_ITERATIONS = 25
-# Under a schedule an evaluation costs more (blt_schedule): races of 12 iterations, and counts
-# compared at a stall tolerance 10x (not 100x) finer than BUFFER_GAIN.
-_SCHEDULED_RACE_ITERATIONS, _SCHEDULED_EXPLORE_STALL = 12, 1e-5
+# Under a schedule an evaluation costs more (blt_schedule): races of 6 iterations, counts
+# compared at a stall tolerance 10x (not 100x) finer than BUFFER_GAIN, and every run also stops
+# once 15 evaluations lowered the loss by less than its stall tolerance (``_minimize``).
+_SCHEDULED_RACE_ITERATIONS, _SCHEDULED_EXPLORE_STALL = 6, 1e-5
+_SCHEDULED_EVAL_WINDOW = 15
 _POLISH_STALL, _POLISH_ITERATIONS = 1e-8, 150
 
 
@@ -104,6 +109,13 @@ def max_log_complement(n_steps: int) -> float:
     return min(math.log(n_steps) + 16.0, 32.0)
 
 
+@functools.lru_cache(maxsize=None)
+def _pair_tables(size: int):
+    """The pairs a > b of 2B decays and the off-diagonal mask of B x B (built once per size)."""
+    ia, ib = np.tril_indices(size, -1)
+    return ia, ib, 1.0 - np.eye(size // 2)
+
+
 def decays_from_free(v, y_max: float) -> _Decays:
     """Map unconstrained v (..., 2B + 1) to an interlaced valid BLT and its inverse.
 
@@ -115,14 +127,14 @@ def decays_from_free(v, y_max: float) -> _Decays:
     cums = np.cumsum(e, axis=-1) / e.sum(axis=-1, keepdims=True)
     size = v.shape[-1] - 1
     y = y_max * cums[..., :size]
-    upper = np.tri(size, size, -1, dtype=bool)  # a > b
-    span = y_max * (cums[..., :size, None] - cums[..., None, :size])  # y_a - y_b
-    safe_span = np.where(upper, span, 1.0)
-    # log|x_a - x_b| = -y_b + log(1 - e^-(y_a - y_b)) for a > b; symmetric
-    log_gap = np.where(upper, -y[..., None, :] + np.log(-expm1(-safe_span)), 0.0)
-    log_gap = log_gap + np.swapaxes(log_gap, -1, -2)
+    ia, ib, off = _pair_tables(size)
+    # log|x_a - x_b| = -y_b + log(1 - e^-(y_a - y_b)) for a > b (formed only there); symmetric
+    span = y_max * (cums[..., ia] - cums[..., ib])                   # y_a - y_b
+    below = -y[..., ib] + np.log(-expm1(-span))
+    log_gap = np.zeros(v.shape[:-1] + (size, size), dtype=below.dtype)
+    log_gap[..., ia, ib] = below
+    log_gap[..., ib, ia] = below
     hat_rows, own_rows = log_gap[..., 0::2, :], log_gap[..., 1::2, :]
-    off = 1.0 - np.eye(size // 2)
     log_omega = own_rows[..., 0::2].sum(-1) - (off * own_rows[..., 1::2]).sum(-1)
     log_omega_hat = hat_rows[..., 1::2].sum(-1) - (off * hat_rows[..., 0::2]).sum(-1)
     return _Decays(
@@ -217,16 +229,42 @@ def _initial_tops(ctx: Participation) -> tuple:
     return tops
 
 
-def _minimize(v0: np.ndarray, ctx, error, target, schedule, *, stall: float, max_iterations: int):
+class _Stalled(Exception):
+    """Raised by the objective once ``eval_window`` evaluations lowered the best value by less
+    than the stall tolerance; ``_minimize`` returns the best point seen."""
+
+
+def _minimize(v0: np.ndarray, ctx, error, target, schedule, *, stall: float, max_iterations: int,
+              eval_window: int | None = None):
+    """L-BFGS from v0 until stalled: _STALL_WINDOW iterations (``minimize_until_stalled``) or, given
+    ``eval_window``, that many evaluations that lowered the best value by less than ``stall``.
+
+    The second rule is for the max-of-rows objective under a schedule: once converged, its line
+    searches can spend many evaluations per iteration on changes in the 12th digit, so counting
+    iterations alone lets a converged run go on for dozens of evaluations.
+    """
+    seen = {"f": math.inf, "x": np.array(v0, dtype=np.float64), "history": []}
+
     def objective(v):
         probes = v[None, :] + (1j * _STEP) * np.eye(v.shape[0])
         loss = _loss(probes, ctx, error, target, schedule)
-        return float(loss[0].real), loss.imag / _STEP
+        value = float(loss[0].real)
+        if eval_window is not None:
+            if value < seen["f"]:
+                seen["f"], seen["x"] = value, np.array(v)
+            history = seen["history"]
+            history.append(seen["f"])
+            if len(history) > eval_window and history[-eval_window - 1] - history[-1] < stall:
+                raise _Stalled
+        return value, loss.imag / _STEP
 
-    x, value, _ = minimize_until_stalled(
-        objective, v0, stall=stall, window=_STALL_WINDOW, max_iterations=max_iterations,
-        ftol=1e-13, gtol=1e-10, maxcor=30,
-    )
+    try:
+        x, value, _ = minimize_until_stalled(
+            objective, v0, stall=stall, window=_STALL_WINDOW, max_iterations=max_iterations,
+            ftol=1e-13, gtol=1e-10, maxcor=30,
+        )
+    except _Stalled:
+        return seen["x"], seen["f"]
     return x, value
 
 
@@ -260,6 +298,7 @@ def optimize(
     # the chosen count to the 9th digit of the loss.
     scheduled = isinstance(steer, ScheduledParameterErrors)
     explore_stall = _SCHEDULED_EXPLORE_STALL if scheduled else _EXPLORE_STALL
+    eval_window = _SCHEDULED_EVAL_WINDOW if scheduled else None
     for num_buffers in range(1, max_buffers + 1):
         # Under a schedule the optimum's slowest buffer is shorter than the horizon (late noise
         # is multiplied by small learning rates); from 3 buffers on, a start spread up to the
@@ -274,15 +313,16 @@ def optimize(
         if len(starts) > 1:  # a short race between the starts, then only the leader continues
             race = _SCHEDULED_RACE_ITERATIONS if scheduled else _RACE_ITERATIONS
             raced = [_minimize(v0, ctx, error, steer, lr_schedule, stall=explore_stall,
-                               max_iterations=race) for v0 in starts]
+                               eval_window=eval_window, max_iterations=race) for v0 in starts]
             starts = [min(raced, key=lambda start: start[1])[0]]
         v, loss = _minimize(starts[0], ctx, error, steer, lr_schedule, stall=explore_stall,
-                            max_iterations=_EXPLORE_ITERATIONS)
+                            eval_window=eval_window, max_iterations=_EXPLORE_ITERATIONS)
         if scheduled and best_v is not None and loss > best_loss:
             # The spread starts ended above B - 1 buffers: their basin, not the count. The
             # B - 1 optimum with one more buffer starts where B - 1 ended.
             grown, grown_loss = _minimize(_grown_start(best_v, ctx.n_steps), ctx, error, steer, lr_schedule,
-                                          stall=explore_stall, max_iterations=_EXPLORE_ITERATIONS)
+                                          stall=explore_stall, eval_window=eval_window,
+                                          max_iterations=_EXPLORE_ITERATIONS)
             if grown_loss < loss:
                 v, loss = grown, grown_loss
         losses.append(math.exp(loss))
@@ -290,7 +330,7 @@ def optimize(
             break  # this buffer is not worth its memory: keep the smaller count
         best_v, best_loss = v, loss
     best_v, _ = _minimize(best_v, ctx, error, steer, lr_schedule, stall=_POLISH_STALL,
-                          max_iterations=_POLISH_ITERATIONS)
+                          max_iterations=_POLISH_ITERATIONS, eval_window=eval_window)
     d = decays_from_free(best_v, max_log_complement(ctx.n_steps))
     params = blt.BLTParams(d.theta, d.omega)
     return _finish(params, ctx, target, lr_schedule, tuple(losses))

@@ -49,7 +49,9 @@ e_t is smooth between neighbouring piece ends, so that the curvature estimated f
 bounds how far it rises between them. Coarse pieces (>= COARSE, graded 1, 2, 4, ... steps after
 step 1 and after every jump or kink of the schedule, where transients start) give rows at their
 ends; each piece that might beat the best row so far is opened into FINE fine pieces, and each
-fine piece that might into its rows. Breaks of the assumption are schedules without structure.
+fine piece that might into its rows (neighbouring such pieces together, as one run: ``_runs``;
+the fine level of a run is built when first opened). Breaks of the assumption are schedules
+without structure.
 
 Gradients. The optimizer evaluates 2B + 1 complex-step probes that share their real part. The
 search runs on the real parts (real arithmetic, one probe); the moments' exact derivatives
@@ -60,10 +62,12 @@ against O(n m) for the step recursion of ``blt_workload.scheduled_parameter_rows
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from opake.dpftrl.strategies import piecewise
-from opake.dpftrl.strategies.blt_workload import bl_form_terms_arrays
+from opake.dpftrl.strategies.blt_workload import bl_form_terms_arrays, first_order_recurrence
 from opake.dpftrl.strategies.geometric import complement_of_product
 
 SLOW = 0.05           # (1 - rho_a rho_b) t below this: the complementary form of (*)
@@ -87,36 +91,65 @@ def binomial_moments(x: np.ndarray, length: np.ndarray, count: int):
     mu_j <= C/2, else (slow decays) as C(L, j+1) (1 - r^(L-1)) - r^j x^-(j+1) sum_{i>j+1} b_i
     (the i = j + 1 term of mu_j cancelled exactly).
     """
-    x = np.clip(np.asarray(x, dtype=np.float64), _X_MIN, _X_MAX)  # see _X_MIN
-    x, length = np.broadcast_arrays(x, np.asarray(length, dtype=np.float64))
+    x, length = np.broadcast_arrays(np.asarray(x, dtype=np.float64), np.asarray(length, dtype=np.float64))
     shape = x.shape
-    x, length = x.reshape(-1), length.reshape(-1)
-    terms = count + _TAIL_TERMS
-    # the term index runs along axis 0, so that the cumulative sums add whole rows
-    idx = _INDEX[: terms + 1, None]
-    log_r = np.log1p(-x)
-    log_x = np.log(x)
-    with np.errstate(divide="ignore"):
-        steps = np.log(np.maximum(length - idx[:-1], 0.0))             # -inf once i >= L: C(L, i) = 0
-    steps -= _LOG_NEXT[:terms, None]
-    log_b = np.empty((terms + 1, x.shape[0]))
-    log_b[0] = 0.0
-    np.cumsum(steps, axis=0, out=log_b[1:])                                # log C(L, i)
-    log_b += idx * (log_x - log_r) + length * log_r
-    b = np.exp(log_b)
-    lower = np.cumsum(b[:count], axis=0)
-    upper = np.cumsum(b[:0:-1], axis=0)[::-1]                              # sum_{i' > i} b_i', i < terms
-    # (np.where is slow on this numpy; both branches are finite, so blend arithmetically)
-    use_lower = lower <= 0.5
-    u = upper[:count] + use_lower * (1.0 - lower - upper[:count])
-    scale = np.exp(idx[:count] * log_r - idx[1: count + 1] * log_x)       # r^j x^-(j+1)
-    mu = scale * u
-    c_next = piecewise.binomials_of(length, count + 1)[:, 1:].T            # C(L, j + 1)
-    first = -np.expm1(np.maximum(length - 1.0, 0.0) * log_r)
-    slow = c_next * first - scale * upper[1: count + 1]
-    direct = c_next - mu
-    dmu = slow + (mu <= 0.5 * c_next) * (direct - slow)
-    return mu.T.reshape(shape + (count,)), np.maximum(dmu, 0.0).T.reshape(shape + (count,))
+    table = _LengthTable(length.reshape(-1), count)
+    mu, dmu = table.moments(x.reshape(-1), pairwise=False)
+    return mu.T.reshape(shape + (count,)), dmu.T.reshape(shape + (count,))
+
+
+class _LengthTable:
+    """The x-independent parts of ``binomial_moments`` for fixed lengths L (log C(L, i), C(L, j+1)),
+    computed once; ``moments`` evaluates them for decays x."""
+
+    def __init__(self, length: np.ndarray, count: int):
+        self.count = count
+        self.length = np.asarray(length, dtype=np.float64)
+        terms = count + _TAIL_TERMS
+        self.terms = terms
+        idx = _INDEX[: terms + 1, None]
+        with np.errstate(divide="ignore"):
+            steps = np.log(np.maximum(self.length - idx[:-1], 0.0))     # -inf once i >= L: C(L, i) = 0
+        steps -= _LOG_NEXT[:terms, None]
+        log_c = np.zeros((terms + 1, self.length.shape[0]))
+        np.cumsum(steps, axis=0, out=log_c[1:])                          # log C(L, i), (terms + 1, U)
+        self.log_c = log_c
+        self.c_next = piecewise.binomials_of(self.length, count + 1)[:, 1:].T   # C(L, j + 1), (count, U)
+        self.last = np.maximum(self.length - 1.0, 0.0)
+
+    def moments(self, x: np.ndarray, pairwise: bool = True):
+        """(mu, dmu) of shape (count, m, U) for decays x (m,) against every length (``pairwise``),
+        or of shape (count, U) for one x per length (x of shape (U,))."""
+        count = self.count
+        x = np.clip(x, _X_MIN, _X_MAX)  # see _X_MIN
+        log_r, log_x = np.log1p(-x), np.log(x)
+        idx = _INDEX[: self.terms + 1, None]
+        if pairwise:  # axes (term, decay, length)
+            idx = idx[:, :, None]
+            log_r, log_x = log_r[:, None], log_x[:, None]
+            log_b = self.log_c[:, None, :] + idx * (log_x - log_r) + self.length * log_r
+        else:
+            log_b = self.log_c + idx * (log_x - log_r) + self.length * log_r
+        b = np.exp(log_b)
+        lower = np.cumsum(b[:count], axis=0)
+        upper = np.cumsum(b[:0:-1], axis=0)[::-1]                              # sum_{i' > i} b_i', i < terms
+        # (np.where is slow on this numpy; both branches are finite, so blend arithmetically)
+        use_lower = lower <= 0.5
+        u = upper[:count] + use_lower * (1.0 - lower - upper[:count])
+        scale = np.exp(idx[:count] * log_r - idx[1: count + 1] * log_x)       # r^j x^-(j+1)
+        mu = scale * u
+        c_next = self.c_next[:, None, :] if pairwise else self.c_next
+        first = -np.expm1(self.last * log_r)
+        slow = c_next * first - scale * upper[1: count + 1]
+        direct = c_next - mu
+        dmu = slow + (mu <= 0.5 * c_next) * (direct - slow)
+        np.maximum(dmu, 0.0, out=dmu)
+        return mu, dmu                                   # axes (j, [decay,] length)
+
+    def stacked(self, x: np.ndarray) -> np.ndarray:
+        """mu and dmu for decays x (m,), as one array (U, count, 2m): [..., :m] mu, [..., m:] dmu."""
+        mu, dmu = self.moments(x)
+        return np.concatenate([mu, dmu], axis=1).transpose(2, 0, 1)
 
 
 # 1 - r is clipped to [1e-15, 1 - 2^-53]: below 1e-15 the moments equal the power sums to
@@ -154,8 +187,37 @@ class _Level:
             w[name] = (scaled @ st[:deg], scaled @ st[1: deg + 1])
         # stacked for one contraction each: [phi, phi', rev, rev'] on the length-L moments,
         # [alpha, alpha'] on the length-(L-1) ones
-        self.w_len = np.stack([w["phi"][0], w["phi"][1], w["rev"][0], w["rev"][1]], axis=1)
-        self.w_alpha = np.stack(w["alpha"], axis=1)
+        # stacked for one contraction each: [phi, rev, alpha] and their derivative weights, (k, 3, count)
+        self.w_val = np.stack([w["phi"][0], w["rev"][0], w["alpha"][0]], axis=1)
+        self.w_der = np.stack([w["phi"][1], w["rev"][1], w["alpha"][1]], axis=1)
+        # The moments of length L are those of length L - 1 plus their last term C(L-1, j) r^(L-1)
+        # (non-negative: no cancellation), so only the lengths L - 1 go to ``binomial_moments``;
+        # phi and rev (over length L) add sum_j w_j C(L-1, j) r^(L-1), alpha (length L - 1) not.
+        binom = piecewise.binomials_of(lengthf - 1.0, self.count)                 # (k, count)
+        self.wb_val = np.einsum("kcj,kj->kc", self.w_val[:, :2], binom)          # (k, 2)
+        self.wb_der = np.einsum("kcj,kj->kc", self.w_der[:, :2], binom)
+        self._ranges = {}
+
+    def _schedule_sums(self, lo: int, hi: int):
+        """The decay-free parts of pieces lo..hi-1 (cached per range): the offsets of phi1 at the
+        k + 1 starts from the range's start, and at the ends the cumulative Q, F1 and the part of
+        A1 that does not depend on the starting phi1 (A1 = A1_0 + phi1_0 F1' + A1')."""
+        key = ("sums", lo, hi)
+        if key not in self._ranges:
+            s1 = self.s1[lo:hi]
+            offsets = _exclusive_cumsum(s1, extra=True)
+            sums = np.cumsum(np.stack([self.s2[lo:hi], s1, offsets[:-1] * s1 + self.s_alpha[lo:hi]]), axis=-1)
+            self._ranges[key] = (offsets, sums)
+        return self._ranges[key]
+
+    def _lengths(self, lo: int, hi: int):
+        """The moment table of the distinct L - 1 of pieces lo..hi-1 and where each piece's is
+        (cached per range)."""
+        key = (lo, hi)
+        if key not in self._ranges:
+            lengths, which = np.unique(self.lengthf[lo:hi] - 1.0, return_inverse=True)
+            self._ranges[key] = (_LengthTable(lengths, self.count), which.reshape(-1))
+        return self._ranges[key]
 
     @property
     def size(self) -> int:
@@ -170,17 +232,18 @@ class _Level:
         """
         ln = self.lengthf[lo:hi]
         k = hi - lo
-        lengths, which = np.unique(np.concatenate([ln, ln - 1.0]), return_inverse=True)
-        mu, dmu = binomial_moments(x[:, None], lengths[None, :], self.count)
-        mu_t = mu.transpose(1, 2, 0)[which]                         # (2k, count, m)
-        dmu_t = dmu.transpose(1, 2, 0)[which]
-        log_r = np.log1p(-np.clip(x, _X_MIN, _X_MAX))[:, None]
-        w_len, w_alpha = self.w_len[lo:hi], self.w_alpha[lo:hi]
-        # batched over pieces: (k, c, j) @ (k, j, m) -> (k, c, m)
-        M, MR = (w_len[:, 0::2] @ mu_t[:k]).transpose(1, 2, 0)
-        dM, dMR = (w_len[:, 0::2] @ dmu_t[:k]).transpose(1, 2, 0)
-        W = (w_alpha[:, :1] @ mu_t[k:])[:, 0].T
-        dW = (w_alpha[:, :1] @ dmu_t[k:])[:, 0].T
+        table, which = self._lengths(lo, hi)
+        both = table.stacked(x)[which]                               # (k, count, 2m), length L - 1
+        m = x.shape[0]
+        log_r = np.log1p(-np.clip(x, _X_MIN, _X_MAX))
+        last = np.multiply.outer(ln - 1.0, log_r)                    # log r^(L-1), (k, m)
+        lp, nlp = np.exp(last), -np.expm1(last)
+        res = self.w_val[lo:hi] @ both                               # (k, 3, 2m): phi, rev, alpha
+        wb = self.wb_val[lo:hi]
+        M, MR = (res[:, 0, :m] + wb[:, :1] * lp).T, (res[:, 1, :m] + wb[:, 1:] * lp).T      # (m, k)
+        dM, dMR = (res[:, 0, m:] + wb[:, :1] * nlp).T, (res[:, 1, m:] + wb[:, 1:] * nlp).T
+        W, dW = res[:, 2, :m].T, res[:, 2, m:].T
+        log_r = log_r[:, None]
         before = self.startf[lo:hi] - 1.0
         rho_s = np.exp(before * log_r)                              # r^(s_j - 1)
         not_s = -np.expm1(before * log_r)
@@ -188,19 +251,19 @@ class _Level:
         not_len = -np.expm1(ln * log_r)
         phi = _affine_scan(r_len, MR, state["phi"])
         dphi = state["dphi"][:, None] + _exclusive_cumsum(not_len * phi[:, :-1] + dMR, extra=True)
-        s1, s2 = self.s1[lo:hi], self.s2[lo:hi]
-        phi1 = state["phi1"] + _exclusive_cumsum(s1, extra=True)
+        s1 = self.s1[lo:hi]
+        offsets, sums = self._schedule_sums(lo, hi)
+        phi1 = state["phi1"] + offsets
         p, dp = phi[:, :-1], dphi[:, :-1]
-        # the four per-decay transforms and the three schedule sums, one cumulative sum each
+        # the four per-decay transforms, one cumulative sum
         ends = np.cumsum(np.stack([rho_s * M, not_s * s1 + rho_s * dM, p * M + W, dp * s1 + p * dM + dW]), axis=-1)
-        sums = np.cumsum(np.stack([s2, s1, phi1[:-1] * s1 + self.s_alpha[lo:hi]]), axis=-1)
         return dict(
             phi=phi, dphi=dphi, phi1=phi1,
             F=state["F"][:, None] + ends[0], dF=state["dF"][:, None] + ends[1],
             A=state["A"][:, None] + ends[2], dA=state["dA"][:, None] + ends[3],
-            Q=state["Q"] + sums[0], F1=state["F1"] + sums[1], A1=state["A1"] + sums[2],
-            parts=dict(lo=lo, state=state, mu_t=mu_t, log_r=log_r, M=M, dM=dM, r_len=r_len,
-                       not_len=not_len, rho_s=rho_s, before=before),
+            Q=state["Q"] + sums[0], F1=state["F1"] + sums[1], A1=state["A1"] + state["phi1"] * sums[1] + sums[2],
+            parts=dict(level=self, lo=lo, state=state, short=both[:, :, :m], lp=lp, log_r=log_r, M=M, dM=dM,
+                       r_len=r_len, not_len=not_len, rho_s=rho_s, before=before),
         )
 
     def derivatives(self, trans, i: int, state: dict) -> dict:
@@ -212,13 +275,13 @@ class _Level:
         part = trans["parts"]
         lo, k = part["lo"], i + 1
         inv_r = np.exp(-part["log_r"])
-        mu_t = part["mu_t"]
         ln = self.lengthf[lo: lo + k]
-        size = trans["F"].shape[-1]
-        w_len, w_alpha = self.w_len[lo: lo + k], self.w_alpha[lo: lo + k]
-        # d/dx sum_q c_q nu_q = -(1 / r) sum_j w'_j mu_j
-        M_x, MR_x = -inv_r * (w_len[:, 1::2] @ mu_t[:k]).transpose(1, 2, 0)
-        W_x = -inv_r * (w_alpha[:, 1:] @ mu_t[size: size + k])[:, 0].T
+        # d/dx sum_q c_q nu_q = -(1 / r) sum_j w'_j mu_j (length L: plus the last term, as above)
+        res = self.w_der[lo: lo + k] @ part["short"][:k]             # (k, 3, m)
+        wb, lp = self.wb_der[lo: lo + k], part["lp"][:k]
+        M_x = -inv_r * (res[:, 0] + wb[:, :1] * lp).T
+        MR_x = -inv_r * (res[:, 1] + wb[:, 1:] * lp).T
+        W_x = -inv_r * res[:, 2].T
         M, dM = part["M"][:, :k], part["dM"][:, :k]
         rho_s = part["rho_s"][:, :k]
         rho_s_x = -part["before"][:k] * rho_s * inv_r
@@ -287,9 +350,13 @@ class ScheduledParameterErrors:
         if pw.num_pieces and int(pw.length.max()) > SHORT:
             fine_length = max(1, -(-int(pw.length.max()) // FINE))
             f_start, f_length, f_coef, parent = piecewise.cut(pw.start, pw.length, pw.coef, fine_length)
-            self.fine = _Level(f_start, f_length, f_coef, degree)
+            # the fine level is built per run of coarse pieces, when first opened (``_fine_level``):
+            # an optimization opens a few of them, and building all costs more than it does
+            self.fine = (f_start, f_length, f_coef)
             self._fine_range = np.searchsorted(parent, np.arange(pw.num_pieces + 1))  # fine pieces of coarse j
+            self._fine_levels = {}
         self.first = pw.first
+        self._window_sums = {}
 
     @property
     def max_relative_error(self) -> float:
@@ -354,17 +421,21 @@ class ScheduledParameterErrors:
         r = np.exp(log_r)
         m = x.shape[0]
         # Phi(u) over the window: the scan x_{k+1} = r x_k + eta_k from Phi(first_row + 1)
-        phi = _affine_scan(np.broadcast_to(r, (m, count - 1)), np.broadcast_to(eta[:-1], (m, count - 1)),
-                           state["phi"])
+        phi = _constant_scan(r[:, 0], np.broadcast_to(eta[:-1], (m, count - 1)), state["phi"])
         dphi = state["dphi"][:, None] + _exclusive_cumsum((1.0 - r) * phi)
-        phi1 = state["phi1"] + _exclusive_cumsum(eta)
         power = (u - 1.0) * log_r
         ends = np.cumsum(np.stack([eta * np.exp(power), eta * -np.expm1(power), eta * phi, eta * dphi]), axis=-1)
-        sums = np.cumsum(np.stack([eta * eta, eta, eta * phi1]), axis=-1)
+        key = (first_row, count)                 # the decay-free sums, as in ``_Level._schedule_sums``
+        sums = self._window_sums.get(key)
+        if sums is None:
+            sums = np.cumsum(np.stack([eta * eta, eta, eta * _exclusive_cumsum(eta)]), axis=-1)
+            if len(self._window_sums) >= 512:  # bounded memory (the values do not depend on it)
+                self._window_sums.clear()
+            self._window_sums[key] = sums
         return dict(
             F=state["F"][:, None] + ends[0], dF=state["dF"][:, None] + ends[1],
             A=state["A"][:, None] + ends[2], dA=state["dA"][:, None] + ends[3],
-            Q=state["Q"] + sums[0], F1=state["F1"] + sums[1], A1=state["A1"] + sums[2],
+            Q=state["Q"] + sums[0], F1=state["F1"] + sums[1], A1=state["A1"] + state["phi1"] * sums[1] + sums[2],
             phi=phi, first_row=first_row, state=state, r=r,
         )
 
@@ -377,7 +448,7 @@ class ScheduledParameterErrors:
         eta = self.compressed[window["first_row"] + 1: window["first_row"] + 1 + k]
         power_x = -(u - 1.0) * np.power(r, np.maximum(u - 2.0, 0.0))     # d r^(u-1) / dx
         phi = window["phi"][:, :k]
-        phi_x = _affine_scan(np.broadcast_to(r, (r.shape[0], k - 1)), -phi[:, :-1], state["phi_x"])
+        phi_x = _constant_scan(r[:, 0], -phi[:, :-1], state["phi_x"])
         dphi_x = state["dphi_x"][:, None] + _exclusive_cumsum(phi + (1.0 - r) * phi_x)
         f_x = np.sum(eta * power_x, axis=-1)
         return dict(F_x=state["F_x"] + f_x, dF_x=state["dF_x"] - f_x,
@@ -410,35 +481,48 @@ class ScheduledParameterErrors:
             coarse = self.coarse.transforms(x, 0, self.coarse.size, start)
             ends = _rows_of(real, coarse, self.coarse.row_end, self.first)
             self._offer(best, ends, self.coarse.row_end, (("coarse", coarse),))
-            for j, bound in _candidates(ends, self.coarse.row_end, 0, zero, best["value"]):
-                if bound <= best["value"] * (1.0 + MARGIN):
+            cands = _candidates(ends, self.coarse.row_end, 0, zero, best["value"])
+            for lo, hi, kind in _runs(cands, best, self._coarse_kind):
+                state = _state_after(coarse, lo - 1)
+                before = 0 if lo == 0 else int(self.coarse.row_end[lo - 1])
+                if kind == "window":
+                    self._open_window(x, real, state, before, int(self.coarse.row_end[hi]) - before, best,
+                                      (("coarse", coarse, lo - 1),))
                     continue
-                length = int(self.coarse.length[j])
-                if length <= 1:
-                    continue                                         # its one row is its end
-                state = _state_after(coarse, j - 1)
-                before = 0 if j == 0 else int(self.coarse.row_end[j - 1])
-                if self.fine is None or length <= 2 * FINE:
-                    self._open_window(x, real, state, before, int(self.coarse.row_end[j]) - before, best,
-                                      (("coarse", coarse, j - 1),))
-                    continue
-                f_lo, f_hi = int(self._fine_range[j]), int(self._fine_range[j + 1])
-                fine = self.fine.transforms(x, f_lo, f_hi, state)
-                f_ends = _rows_of(real, fine, self.fine.row_end[f_lo:f_hi], self.first)
-                path = (("coarse", coarse, j - 1),)
-                self._offer(best, f_ends, self.fine.row_end[f_lo:f_hi], path + (("fine", fine),))
-                start_value = zero if j == 0 else ends[j - 1]
-                for i, f_bound in _candidates(f_ends, self.fine.row_end[f_lo:f_hi], before, start_value,
-                                              best["value"]):
-                    if f_bound <= best["value"] * (1.0 + MARGIN) or self.fine.length[f_lo + i] <= 1:
-                        continue
-                    f_state = _state_after(fine, i - 1)
-                    f_before = before if i == 0 else int(self.fine.row_end[f_lo + i - 1])
-                    self._open_window(x, real, f_state, f_before, int(self.fine.row_end[f_lo + i]) - f_before,
-                                      best, path + (("fine", fine, i - 1),))
+                level = self._fine_level(lo, hi)
+                fine = level.transforms(x, 0, level.size, state)
+                f_rows = level.row_end
+                f_ends = _rows_of(real, fine, f_rows, self.first)
+                path = (("coarse", coarse, lo - 1),)
+                self._offer(best, f_ends, f_rows, path + (("fine", fine),))
+                start_value = zero if lo == 0 else ends[lo - 1]
+                f_cands = _candidates(f_ends, f_rows, before, start_value, best["value"])
+                lengths = level.length
+                for i0, i1, _ in _runs(f_cands, best, lambda i: "skip" if lengths[i] <= 1 else "window"):
+                    f_state = _state_after(fine, i0 - 1)
+                    f_before = before if i0 == 0 else int(f_rows[i0 - 1])
+                    self._open_window(x, real, f_state, f_before, int(f_rows[i1]) - f_before,
+                                      best, path + (("fine", fine, i0 - 1),))
         if best["value"] <= zero or best["path"] is None:
             return np.full(leaks.shape[0], zero, dtype=dtype)
         return self._on_probes(best, x, leaks, weights, gain, tau, beta_index, dtype)
+
+    def _fine_level(self, lo: int, hi: int) -> "_Level":
+        """The fine pieces of coarse pieces lo..hi as a level of their own (cached)."""
+        key = (lo, hi)
+        if key not in self._fine_levels:
+            f_lo, f_hi = int(self._fine_range[lo]), int(self._fine_range[hi + 1])
+            f_start, f_length, f_coef = self.fine
+            self._fine_levels[key] = _Level(f_start[f_lo:f_hi], f_length[f_lo:f_hi], f_coef[f_lo:f_hi], self.degree)
+        return self._fine_levels[key]
+
+    def _coarse_kind(self, j: int) -> str:
+        """How coarse piece j is opened: not at all (one row: its end), by the step recursion
+        (short pieces, or no fine level), or through its fine pieces."""
+        length = int(self.coarse.length[j])
+        if length <= 1:
+            return "skip"
+        return "window" if self.fine is None or length <= 2 * FINE else "fine"
 
     def _offer(self, best, values, rows, path):
         """Piece ends as candidates for the best row (their transforms come from ``path``)."""
@@ -463,7 +547,7 @@ class ScheduledParameterErrors:
         final = None
         for stage in best["path"]:
             kind, trans, i = stage
-            level = {"coarse": self.coarse, "fine": self.fine}.get(kind)
+            level = trans["parts"]["level"] if kind != "window" else None
             if kind == "window":
                 slope = self._window_derivatives(trans, i, state)
                 final = {key: trans[key][:, i] for key in ("F", "A", "dF", "dA")}
@@ -507,8 +591,38 @@ def _candidates(ends, rows, start_row, start_value, best):
         curvature[1:-1] = similar * np.abs(np.diff(slopes)) / (0.5 * (length[1:] + length[:-1]))
     bend = np.maximum(curvature[:-1], curvature[1:])                # at either end of piece j
     upper = np.maximum(values[:-1], values[1:]) + SAFETY * bend * length * length / 8.0
-    order = np.argsort(-upper, kind="stable")
-    return [(int(j), float(upper[j])) for j in order if upper[j] > best * (1.0 + MARGIN)]
+    live = np.flatnonzero(upper > best * (1.0 + MARGIN))
+    order = live[np.argsort(-upper[live], kind="stable")]
+    return list(zip(order.tolist(), upper[order].tolist()))
+
+
+def _runs(cands, best, kind):
+    """Pieces to open, as runs (lo, hi, kind) of neighbouring pieces of one kind, from the
+    candidates of ``_candidates`` (most promising first) and the best row so far.
+
+    A candidate is opened while its bound beats ``best`` (which the caller raises between runs);
+    its neighbours whose bounds beat ``best`` too, of the same kind, are opened with it in one
+    run, so a maximum near a piece end costs one transforms / window call, not two (per
+    evaluation those calls cost their numpy overhead, not their length). Opening a piece that
+    a later, higher best would have skipped changes nothing but the work: every piece whose
+    bound beats the final best is still opened.
+    """
+    bound_of = dict(cands)
+    done = set()
+    for j, bound in cands:
+        limit = best["value"] * (1.0 + MARGIN)
+        if j in done or bound <= limit:
+            continue
+        what = kind(j)
+        if what == "skip":
+            continue
+        lo = hi = j
+        while bound_of.get(lo - 1, -math.inf) > limit and lo - 1 not in done and kind(lo - 1) == what:
+            lo -= 1
+        while bound_of.get(hi + 1, -math.inf) > limit and hi + 1 not in done and kind(hi + 1) == what:
+            hi += 1
+        done.update(range(lo, hi + 1))
+        yield lo, hi, what
 
 
 def _rows_of(pairs, trans, rows, eta0):
@@ -541,6 +655,21 @@ def _exclusive_cumsum(values, extra: bool = False):
     out = np.zeros(values.shape[:-1] + (values.shape[-1] + 1,), dtype=values.dtype)
     np.cumsum(values, axis=-1, out=out[..., 1:])
     return out if extra else out[..., :-1]
+
+
+def _constant_scan(decay, add, initial):
+    """x_0 = initial, x_{j+1} = decay x_j + add_j along the last axis with one decay per row
+    (shape (m,)); returns x_0..x_K. The initial value enters the first step, and the rest is
+    ``blt_workload.first_order_recurrence`` (blocked, stable for decays in [0, 1])."""
+    initial = np.asarray(initial)
+    if add.shape[-1] <= 128:  # short: the log2 K steps of the scan cost fewer numpy calls
+        return _affine_scan(np.broadcast_to(decay[:, None], add.shape), add, initial)
+    f = np.array(add, dtype=np.result_type(add, initial, decay))
+    f[:, 0] += decay * initial
+    out = np.empty(f.shape[:-1] + (f.shape[-1] + 1,), dtype=f.dtype)
+    out[:, 0] = initial
+    out[:, 1:] = first_order_recurrence(decay, f)
+    return out
 
 
 def _affine_scan(decay, add, initial):

@@ -13,6 +13,7 @@ import numbers
 from dataclasses import dataclass
 
 import numpy as np
+from threadpoolctl import threadpool_limits
 
 from opake.dpftrl.strategies.blt import (
     BLTParams,
@@ -94,14 +95,82 @@ def _fractions_arrays(extra_leaks, leak, leak_hat, omega_hat, workload: Paramete
     return leaks, hat
 
 
+_BLOCK = 32  # block length of ``_powers`` and ``first_order_recurrence``
+
+
 def _powers(leaks, n: int):
-    """rho_a^k for k < n, shape (..., m, n); complex-step input through log1p (decays in (0, 1))."""
-    steps = np.arange(n, dtype=np.float64)
+    """rho_a^k for k < n, shape (..., m, n); complex-step input through log1p (decays in (0, 1)).
+
+    Blocked: rho^(b L + j) = (rho^L)^b rho^j with both factors from pow / exp (one rounding
+    each), so the product is within a few ulps of the direct power at a fraction of its cost.
+    """
+    blocks = -(-n // _BLOCK)
+    inner = np.arange(min(n, _BLOCK), dtype=np.float64)
+    outer = inner.shape[0] * np.arange(blocks, dtype=np.float64)
     if np.iscomplexobj(leaks):
+        log_r = log1p(-leaks[..., None])
         with np.errstate(divide="ignore", invalid="ignore"):
-            out = np.exp(steps * log1p(-leaks[..., None]))
-        return np.where(steps == 0, 1.0, out)  # 0^0 = 1 for a decay of exactly 0
-    return np.power(1.0 - leaks[..., None], steps)
+            small = np.where(inner == 0, 1.0, np.exp(inner * log_r))  # 0^0 = 1 for a decay of exactly 0
+            big = np.where(outer == 0, 1.0, np.exp(outer * log_r))
+    else:
+        r = 1.0 - leaks[..., None]
+        small, big = np.power(r, inner), np.power(r, outer)
+    out = big[..., :, None] * small[..., None, :]
+    return out.reshape(out.shape[:-2] + (-1,))[..., :n]
+
+
+def first_order_recurrence(rho, f):
+    """x_t = rho x_(t-1) + f_t along the last axis, x_(-1) = 0 (rho broadcast over the rest).
+
+    For |rho| <= 1, real or complex (the complex step: the imaginary part is formed by the same
+    sums of products as the real part, so it stays exact to first order). Blocks of length L:
+    inside a block a product with the L x L lower-triangular matrix of rho^(k-j); the values
+    at the block ends then follow the same recurrence in rho^L over n / L blocks (recursively),
+    and x = (in-block value) + rho^(k+1) (value at the end of the previous block). Only powers
+    rho^0..rho^L are formed, never rho^-k, so nothing grows.
+    """
+    f = np.asarray(f)
+    dtype = np.result_type(rho, f, np.float64)
+    n = f.shape[-1]
+    if f.size == 0:
+        return np.zeros(f.shape, dtype=dtype)
+    rho = np.broadcast_to(np.asarray(rho, dtype=dtype), f.shape[:-1]).reshape(-1)
+    rows = np.asarray(f, dtype=dtype).reshape(-1, n)
+    return _recurrence(rho, rows).reshape(f.shape)
+
+
+def _recurrence(rho, f):
+    rows, n = f.shape
+    size = min(n, _BLOCK)
+    blocks = -(-n // size)
+    steps, lag, lower = _block_tables(size)
+    power = np.power(rho[:, None], steps)                            # rho^0..rho^L, 0^0 = 1
+    tri = power[:, lag] * lower                                      # rho^(k-j) for j <= k, (rows, L, L)
+    padded = f
+    if blocks * size != n:
+        padded = np.zeros((rows, blocks * size), dtype=f.dtype)
+        padded[:, :n] = f
+    local = padded.reshape(rows, blocks, size) @ np.swapaxes(tri, -1, -2)   # within each block
+    if blocks > 1:
+        ends = _recurrence(power[:, size], local[:, :, -1])          # x at each block's end
+        carry = ends[:, :-1]
+        if local.size <= 1 << 16:  # + rho^(k+1) x(previous end)
+            local[:, 1:] += carry[:, :, None] * power[:, None, 1:]
+        else:                      # (a column at a time: no (rows, n) temporary)
+            for k in range(size):
+                local[:, 1:, k] += carry * power[:, k + 1, None]
+    return local.reshape(rows, -1)[:, :n]
+
+
+_TABLES = {}
+
+
+def _block_tables(size: int):
+    """0..L as floats, the lags max(k - j, 0) and the mask j <= k of an L x L block."""
+    if size not in _TABLES:
+        lag = np.arange(size)[:, None] - np.arange(size)[None, :]
+        _TABLES[size] = (np.arange(size + 1, dtype=np.float64), np.maximum(lag, 0), (lag >= 0).astype(np.float64))
+    return _TABLES[size]
 
 
 def parameter_terms_arrays(leak, leak_hat, omega_hat, workload: ParameterWorkload):
@@ -175,34 +244,50 @@ def scheduled_parameter_rows(leak, leak_hat, omega_hat, workload: ParameterWorkl
         P[t,0] = sum_{u<=t} eta_u T[u, 0]
 
     Everything is a cumulative sum except X, a first-order recursive filter per decay
-    (scipy.signal.lfilter, which keeps the complex step's imaginary part exact). No powers
+    (``first_order_recurrence``, which keeps the complex step's imaginary part exact). No powers
     rho^-k are formed, and |rho| <= 1, so the recursion is stable.
     """
-    from scipy.signal import lfilter
+    if n < 65536:  # (setting the limit costs ~1 ms)
+        return _scheduled_rows(leak, leak_hat, omega_hat, workload, n, eta)
+    # long horizons: the block products are many small ones, and BLAS threads only contend
+    # with each other on them (2-3x slower on 2 cores)
+    with threadpool_limits(limits=1, user_api="blas"):
+        return _scheduled_rows(leak, leak_hat, omega_hat, workload, n, eta)
 
+
+def _scheduled_rows(leak, leak_hat, omega_hat, workload: ParameterWorkload, n: int, eta):
+    # One decay at a time: the (m, n) arrays are never held, so a long horizon needs a few
+    # length-n buffers (reused) instead of fresh (m, n) ones (their page faults cost as much as
+    # the arithmetic at n = 1e6).
     leaks, r, gain, tau, _ = bl_form_terms_arrays(leak, leak_hat, omega_hat, workload)
     beta = workload.momentum
-    pw = _powers(leaks, n)                                       # (..., m, n)
-    d = np.concatenate([np.broadcast_to(gain, leaks.shape[:-1] + (1,)).astype(pw.dtype),
-                        (r[..., None] * pw[..., : n - 1]).sum(axis=-2)], axis=-1)
+    m = leaks.shape[-1]
+    dtype = np.result_type(leaks, r, np.float64)
+    d = np.zeros(leaks.shape[:-1] + (n,), dtype=dtype)
+    d[..., 0] = gain
+    for a in range(m):                                           # d_k = sum_a R_a rho_a^(k-1), k >= 1
+        term = _powers(leaks[..., a: a + 1], n - 1)[..., 0, :]
+        term *= r[..., a: a + 1]
+        d[..., 1:] += term
     energy = np.cumsum(d * d, axis=-1)
-    y = np.cumsum(d[..., None, :] * pw, axis=-1)                 # Y_a(j)
-    del pw
-    f = np.zeros_like(y)
-    f[..., 1:] = eta[1:] * y[..., :-1]                           # eta_t Y_a(t-1)
-    rows_f = f.reshape(-1, n)
-    rho = (1.0 - leaks).reshape(-1)
-    x = np.empty_like(rows_f)
-    for i in range(rows_f.shape[0]):
-        x[i] = lfilter([1.0], [1.0, -rho[i]], rows_f[i])
-    x = x.reshape(f.shape)
-    c = np.zeros(d.shape, dtype=x.dtype)
-    c[..., 1:] = (r[..., None] * x[..., :-1]).sum(axis=-2)
+    c = np.zeros(d.shape, dtype=dtype)
+    for a in range(m):
+        y = _powers(leaks[..., a: a + 1], n)[..., 0, :]
+        y *= d
+        np.cumsum(y, axis=-1, out=y)                             # Y_a(j)
+        # g_j = eta_(j+1) Y_a(j), in place; then X_a(t) = sum_(s<t) rho_a^(t-1-s) g_s is the
+        # recurrence on g (X_a(0) = 0), and c_t = sum_a R_a X_a(t-1)
+        g = y[..., :-1]
+        g *= eta[1:]
+        x = first_order_recurrence(1.0 - leaks[..., a], g)      # X_a(1..n-1)
+        x = x[..., :-1]
+        x *= r[..., a: a + 1]
+        c[..., 2:] += x
     step = 2.0 * eta * c
     step[..., 1:] += eta[1:] ** 2 * energy[..., :-1]
     first = d
     if tau > 0.0:
-        first = first + tau * np.power(beta, np.arange(n, dtype=np.float64))
+        first = first + tau * _powers(np.array([1.0 - beta]), n)[0]
     p0 = np.cumsum(eta * first, axis=-1)
     return np.cumsum(step, axis=-1) + p0 * p0
 

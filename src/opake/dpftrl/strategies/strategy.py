@@ -163,6 +163,25 @@ def _check_schedule_values(values: np.ndarray, n_steps: int) -> np.ndarray:
     return values
 
 
+# Schedules up to this many values are repr'd in full (the fingerprints of recipes resolved
+# before long schedules were summarized stay the same); longer ones by length and digest.
+_SCHEDULE_REPR_VALUES = 16
+
+
+def _schedule_repr(schedule, values=None) -> str:
+    """The repr of a stored schedule; long tuples as ``<n values sha256:...>``.
+
+    Mechanism fingerprints digest the recipe's repr, and repr-ing a 1e6-float tuple costs about
+    a second. The summary still depends on every value (a sha256 of the float64 bytes), and the
+    fingerprint digests the values once more through ``schedule_fingerprint``.
+    """
+    if isinstance(schedule, tuple) and len(schedule) > _SCHEDULE_REPR_VALUES:
+        values = np.asarray(schedule, dtype=np.float64) if values is None else values
+        digest = hashlib.sha256(np.ascontiguousarray(values, dtype=np.float64).tobytes()).hexdigest()[:16]
+        return f"<{len(schedule)} values sha256:{digest}>"
+    return repr(schedule)
+
+
 @dataclass(frozen=True, repr=False)
 class BLTStrategy:
     """Recipe for a Buffered Linear Toeplitz strategy (BLT24, UseBLT24).
@@ -198,7 +217,8 @@ class BLTStrategy:
         # Mechanism fingerprints digest this repr: the fields added with ``workload`` appear
         # only when they differ from their defaults, so earlier recipes keep their fingerprints.
         parts = [f"max_buffers={self.max_buffers!r}", f"error={self.error!r}",
-                 f"momentum={self.momentum!r}", f"lr_schedule={self.lr_schedule!r}"]
+                 f"momentum={self.momentum!r}",
+                 f"lr_schedule={_schedule_repr(self.lr_schedule, self.__dict__.get('_schedule_array'))}"]
         if self.workload != "updates" or self.dampening != 0.0 or self.nesterov:
             parts += [f"workload={self.workload!r}", f"dampening={self.dampening!r}",
                       f"nesterov={self.nesterov!r}"]
@@ -239,7 +259,10 @@ class BLTStrategy:
             if values.ndim != 1 or values.shape[0] < 1:
                 raise ValueError(f"lr_schedule must be a 1-D sequence, got shape {values.shape}")
             _check_schedule_values(values, values.shape[0])
-            object.__setattr__(self, "lr_schedule", tuple(float(v) for v in values))
+            object.__setattr__(self, "lr_schedule", tuple(values.tolist()))  # Python floats
+            # the float64 values, kept so that resolve and repr need not convert the tuple again
+            # (not a field: equality and hashing see the tuple only)
+            object.__setattr__(self, "_schedule_array", _readonly(values))
 
     @property
     def parameter_workload(self) -> blt_workload.ParameterWorkload | None:
@@ -259,7 +282,9 @@ class BLTStrategy:
             except (TypeError, ValueError) as exc:
                 raise ValueError(f"lr_schedule callable must return a number for every step: {exc}") from None
         else:
-            values = np.asarray(schedule, dtype=np.float64)
+            values = self.__dict__.get("_schedule_array")
+            if values is None:
+                values = np.asarray(schedule, dtype=np.float64)
         return _check_schedule_values(values, n_steps)
 
     def resolve(self, n_steps, min_sep: int = 1, max_participations: int | None = None) -> Mechanism:
