@@ -9,6 +9,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from scipy.linalg import solve_triangular
 
 from dense import (
     PatternTable,
@@ -158,6 +159,19 @@ def test_inverse_series_is_the_first_column_of_the_dense_inverse(n, bands):
     column[:bands] = c
     expected = inverse_matrix(lower_toeplitz(column))[:, 0]
     np.testing.assert_allclose(band_mf_optimize.inverse_series(c, n), expected, rtol=1e-12, atol=1e-13)
+
+
+@pytest.mark.parametrize("n, bands", [(2500, 3), (2500, 600), (2500, 2000), (1500, 1500)])
+def test_long_inverse_series_past_the_substituted_prefix_is_the_dense_solution(n, bands):
+    # past inverse_series's substituted prefix (512 terms for wide bands) Newton's doublings take
+    # over, and wide bands reach beyond the prefix: checked against a dense triangular solve
+    c = band_mf_optimize.coefficients_from(band_mf_optimize.initial_steps(bands)) * 1.5
+    column = np.zeros(n)
+    column[:bands] = c
+    unit = np.zeros(n)
+    unit[0] = 1.0
+    expected = solve_triangular(lower_toeplitz(column), unit, lower=True)
+    np.testing.assert_allclose(band_mf_optimize.inverse_series(c, n), expected, rtol=1e-11, atol=1e-13)
 
 
 @pytest.mark.parametrize("error", ["max", "mean"])

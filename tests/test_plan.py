@@ -11,6 +11,7 @@ import functools
 import json
 import math
 import re
+import warnings
 
 import dp_accounting
 import numpy as np
@@ -96,6 +97,7 @@ def test_the_chosen_bands_have_the_smallest_error_of_every_candidate():
     assert errors[_chosen_bands()] == min(errors.values())
 
 
+@pytest.mark.filterwarnings("ignore::opake.dpftrl.accounting.UnprovenAmplificationWarning")  # the reference's own
 def test_blt_amplified_agrees_with_the_slow_search_within_its_tolerance(plan):
     # plan_dataset calibrates the amplified bound from the unamplified sigma in a few evaluations
     # (calibrate_capped); calibrate over the whole range at rtol 1e-6 is the slow reference.
@@ -109,6 +111,17 @@ def test_blt_amplified_agrees_with_the_slow_search_within_its_tolerance(plan):
     fast = rows["BLT amplified"].noise_multiplier
     assert amplified(fast).epsilon_at(DELTA) <= EPSILON
     assert slow.param / (1 + 1e-6) <= fast <= slow.param * (1 + 2e-3)
+
+
+def test_a_plan_prints_no_warning():
+    # the amplified row states itself that its bound is not proven for adaptive gradients, so
+    # plan_dataset does not repeat balls_in_bins's warning; nothing else may warn either (numpy
+    # RuntimeWarnings included). A run of its own, so that nothing is cached from the fixture.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = plan_dataset(400, 20, 3, 5.0, 1e-6, max_buffers=4, progress=False)
+    assert [str(w.message) for w in caught] == []
+    assert "not proven for adaptively chosen gradients" in plan.rows[1].accounting
 
 
 def test_cyclic_poisson_bands_refuses_bad_input():
@@ -166,6 +179,19 @@ def test_bandmf_row_is_band23_thm4_at_the_chosen_bands(plan):
     assert row.rmse_max == pytest.approx(row.noise_multiplier * math.sqrt(errors.max()), rel=1e-9)
     assert row.rmse_mean == pytest.approx(row.noise_multiplier * math.sqrt(errors.mean()), rel=1e-9)
     assert row.state_bytes_per_parameter == 4 * (bands - 1)
+
+
+def test_with_one_band_the_bandmf_row_is_poisson_dpsgd_priced_once():
+    # 90 examples, 30 per step: 3 steps per epoch, so bands = 1 is the only candidate (<= 3 // 2)
+    one = plan_dataset(90, 30, 4, EPSILON, DELTA, max_buffers=2, progress=False)
+    rows = {r.name: r for r in one.rows}
+    band, sgd = rows["BandMF"], rows["DP-SGD Poisson"]
+    assert band.process.num_groups == 1 and band.state_bytes_per_parameter == 0
+    assert (band.noise_multiplier, band.epsilon) == (sgd.noise_multiplier, sgd.epsilon)
+    independent = _pld_epsilon(30 / 90, sgd.noise_multiplier, 12, interval=PLD_DISCRETIZATION)
+    assert independent == pytest.approx(sgd.epsilon, rel=1e-9)
+    assert EPSILON * (1 - 1e-3) <= independent <= EPSILON or _pld_epsilon(
+        30 / 90, sgd.noise_multiplier / (1 + 1e-4), 12, interval=PLD_DISCRETIZATION) > EPSILON
 
 
 def test_unamplified_dpsgd_is_the_composed_gaussian(plan):

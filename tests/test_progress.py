@@ -78,6 +78,26 @@ def test_on_a_terminal_the_line_is_rewritten_in_place_and_ended():
     assert not any(thread.name == "opake-progress" for thread in threading.enumerate())
 
 
+class _UnsizedTerminal(_Terminal):
+    def fileno(self):
+        return 2
+
+
+def test_a_terminal_reporting_no_size_gets_the_default_width(monkeypatch):
+    # a pseudo-terminal nobody sized reports 0 columns: the line must not be cut to nothing
+    monkeypatch.setattr(opake.progress.os, "get_terminal_size", lambda fd: __import__("os").terminal_size((0, 0)))
+    monkeypatch.setenv("COLUMNS", "100")
+    stream = _UnsizedTerminal()
+    progress = Progress(True, stream=stream, delay=0)
+    with progress.stage("choosing the bands: 256 band(s) " + "x" * 200):
+        progress.note("evaluation 3: sigma 5.2, epsilon 7.99 (target 8)")
+    progress.close()
+    line = stream.getvalue().rstrip("\n").split("\r")[-1]  # the last report (close ends its line)
+    assert line.startswith("opake: choosing the bands: 256 band(s) x")
+    assert line.endswith("...: evaluation 3: sigma 5.2, epsilon 7.99 (target 8) (0 s)")
+    assert len(line) == 99
+
+
 def test_nothing_is_written_before_the_delay():
     stream = _Terminal()
     progress = Progress(True, stream=stream, delay=60)

@@ -138,11 +138,16 @@ class Progress:
         self._written = True
 
     def _columns(self) -> int:
-        """The terminal's width: of the stream itself (stdout may be redirected), else the default."""
+        """The terminal's width: of the stream itself (stdout may be redirected), else the default.
+
+        A terminal that reports no size (0 columns: a pseudo-terminal nobody sized, as ``script``
+        opens) gets shutil's answer ($COLUMNS, else 80), not a line cut to nothing.
+        """
         try:
-            return os.get_terminal_size(self.stream.fileno()).columns
+            columns = os.get_terminal_size(self.stream.fileno()).columns
         except (AttributeError, OSError, ValueError):
-            return shutil.get_terminal_size().columns
+            columns = 0
+        return columns if columns > 0 else shutil.get_terminal_size().columns
 
     def _start_ticker(self) -> None:
         if not self.is_terminal or self._ticker is not None:
