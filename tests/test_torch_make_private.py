@@ -406,6 +406,21 @@ def test_amplification_never_needs_more_noise_than_the_unamplified_bound():
     assert "without amplification" in unamplified.plan.accountant.description
 
 
+def test_the_unproven_amplification_warning_is_shown_once_per_plan():
+    # The calibration evaluates the amplified bound several times; each evaluation warns, the
+    # plan shows it once. A filter that makes it an error still raises.
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _make(batch_size=4, epochs=2, target_epsilon=2.5, amplification=True)
+    assert [w.category for w in caught] == [dpftrl_acc.UnprovenAmplificationWarning]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", dpftrl_acc.UnprovenAmplificationWarning)
+        with pytest.raises(dpftrl_acc.UnprovenAmplificationWarning):
+            _make(batch_size=4, epochs=2, target_epsilon=2.4, amplification=True)
+
+
 def test_an_identical_plan_reuses_the_calibrated_noise(monkeypatch):
     from opake.torch import private as private_module
 

@@ -70,6 +70,7 @@ published runs, and kept in ``state_dict()`` so that a resumed run continues the
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import numbers
 import secrets
@@ -387,9 +388,10 @@ def make_private(
     accountant_of_sigma = _accountant_for(strategy, sampler, participation.n_steps, accounting)
     plan_key = (strategy, accounting, sampling, getattr(sampler, "num_bins", None), getattr(sampler, "num_groups", None),
                 getattr(sampler, "sample_rate", None), participation.n_steps)
-    sigma, epsilon, delta, accountant = _plan_noise(accountant_of_sigma, accounting, participation, target_epsilon,
-                                                    target_delta, noise_multiplier, plan_key, progress,
-                                                    _accountant_for(strategy, sampler, participation.n_steps, "rigorous"))
+    unamplified = _accountant_for(strategy, sampler, participation.n_steps, "rigorous")
+    with _each_warning_once():
+        sigma, epsilon, delta, accountant = _plan_noise(accountant_of_sigma, accounting, participation, target_epsilon,
+                                                        target_delta, noise_multiplier, plan_key, progress, unamplified)
     engine_arguments = dict(
         n_steps=participation.n_steps, min_sep=participation.min_sep,
         max_participations=participation.max_participations, noise_multiplier=sigma,
@@ -571,6 +573,22 @@ def _accounting(poisson: bool, amplification, strategy, sampler, n_steps: int) -
 # so a second identical plan (another learning rate or seed) reuses the first one's sigma.
 _CALIBRATED: dict = {}
 _CALIBRATED_LIMIT = 256
+
+
+@contextlib.contextmanager
+def _each_warning_once():
+    """Warnings raised while planning, each (category, message) shown once: a calibration evaluates
+    its bound several times, and the amplified bound of a BLT warns at every evaluation. They are
+    re-issued after planning through the caller's filters ("error" still raises)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield
+    seen = set()
+    for warning in caught:
+        key = (warning.category, str(warning.message))
+        if key not in seen:
+            seen.add(key)
+            warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
 
 
 def _plan_noise(accountant, accounting, participation, target_epsilon, target_delta, noise_multiplier,
