@@ -493,3 +493,47 @@ def test_dp_sgd_on_balls_in_bins_is_priced_by_the_random_allocation_pld_by_defau
     assert isinstance(private.plan.accountant, BallsInBinsPLD)
     unamplified = _make(batch_size=4, epochs=2, strategy=identity_strategy(), amplification=False)
     assert private.noise_multiplier < unamplified.noise_multiplier and private.epsilon <= 3.0
+
+
+def test_the_optimizer_given_to_make_private_refuses_to_step_on_its_own():
+    # A loop that kept calling the optimizer it passed would train on autograd's unclipped,
+    # un-noised .grad while the planned epsilon is reported: its step() raises and changes nothing.
+    import warnings
+
+    from opake.torch import DirectStepError
+
+    model = _loss_sum_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    private = _make(model=model, optimizer=optimizer)
+    batch = next(iter(private.data_loader))
+    before = [p.detach().clone() for p in model.parameters()]
+    F.cross_entropy(model(batch[0]), batch[1], reduction="sum").backward()
+    with pytest.raises(DirectStepError, match=r"SGD was given to make_private.*private\.optimizer.*Nothing was changed"):
+        optimizer.step()
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    assert private.steps_taken == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        private.optimizer.step()  # the private step goes through the wrapped optimizer's own step
+    assert private.steps_taken == 1 and not all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    private.detach()
+    optimizer.step()  # detached: the optimizer is its own again
+
+
+def test_a_scheduler_built_before_make_private_still_counts_the_private_steps():
+    import warnings
+
+    model = _loss_sum_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    private = _make(model=model, optimizer=optimizer, lr_scheduler=scheduler, epochs=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "optimizer.step() overridden" / "called before" warning
+        for epoch in range(2):
+            for x, y in private.data_loader:
+                private.optimizer.zero_grad()
+                F.cross_entropy(model(x), y, reduction="sum").backward()
+                private.optimizer.step()
+                scheduler.step()
+    assert private.steps_taken == 8
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5 ** 8)

@@ -27,9 +27,19 @@ anything is released, ``step()`` checks that the planned loader served this step
 and that the examples clipped since ``zero_grad()`` are exactly that batch's; otherwise it
 raises ``UnplannedBatchError`` and changes nothing. A planned batch can be empty (balls in bins
 draws bin sizes); its step may be taken without a backward pass and releases noise only.
+
+The wrapped optimizer's own ``step()`` would apply autograd's unclipped, un-noised ``.grad``:
+a loop that kept calling the optimizer it passed to ``make_private`` would train without
+privacy while the planned epsilon is printed. So ``DPOptimizer`` replaces that optimizer's
+``step`` with one that raises ``DirectStepError`` and changes nothing (``detach()`` puts it
+back), and steps it itself through what ``step`` was before. A learning-rate scheduler built on
+the optimizer before ``make_private`` (which reads its schedule) keeps working: its step
+counter is in the method captured here.
 """
 
 from __future__ import annotations
+
+import types
 
 import torch
 
@@ -38,7 +48,45 @@ from opake.torch.per_example.bookkeeping import sum_dtype
 from opake.torch.per_example.errors import ClipperUsageError
 from opake.types import clipped
 
-__all__ = ["DPOptimizer", "PlanExhaustedError"]
+__all__ = ["DPOptimizer", "DirectStepError", "PlanExhaustedError"]
+
+
+class DirectStepError(RuntimeError):
+    """``step()`` of an optimizer given to ``make_private``, called directly instead of through
+    the ``DPOptimizer`` that wraps it (it would release gradients without clipping or noise)."""
+
+
+def _refuse_direct_steps(optimizer: torch.optim.Optimizer):
+    """Replace ``optimizer.step`` by a refusal; return (what to call to step it, how to undo).
+
+    The refusal is a method (a ``__func__`` of its own, as torch's schedulers expect when they
+    wrap ``step``) that carries the scheduler's marker when the replaced step had it.
+    """
+    had_own = "step" in vars(optimizer)
+    previous = optimizer.step
+    if getattr(getattr(previous, "__func__", None), "_opake_refuses", False):
+        previous = type(optimizer).step.__get__(optimizer)  # wrapped before: this object's own step
+
+    def refused(self, *args, **kwargs):
+        raise DirectStepError(
+            f"this {type(self).__name__} was given to make_private, and its own step() would apply "
+            f"autograd's unclipped, un-noised gradients: outside the privacy guarantee. Call step() on "
+            f"the optimizer make_private returned (private.optimizer; its zero_grad() and step() take "
+            f"this optimizer's place in the loop). Nothing was changed"
+        )
+
+    refused._opake_refuses = True
+    if hasattr(previous, "_wrapped_by_lr_sched"):
+        refused._wrapped_by_lr_sched = True  # the scheduler's wrapper is still called, by DPOptimizer
+    optimizer.step = types.MethodType(refused, optimizer)
+
+    def restore():
+        if had_own:
+            optimizer.step = previous
+        else:
+            vars(optimizer).pop("step", None)
+
+    return previous, restore
 
 
 class DPOptimizer(torch.optim.Optimizer):
@@ -56,6 +104,7 @@ class DPOptimizer(torch.optim.Optimizer):
                  process_group=None, distributed: bool = False):
         # Not Optimizer.__init__: the wrapped optimizer owns the groups and the state.
         self.original_optimizer = optimizer
+        self._step_wrapped, self._restore_wrapped_step = _refuse_direct_steps(optimizer)
         self.clipper = clipper
         self.noise_fn = noise_fn
         self.noise_state = noise_state
@@ -106,6 +155,10 @@ class DPOptimizer(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return f"DPOptimizer({self.original_optimizer!r})"
+
+    def release_wrapped_optimizer(self) -> None:
+        """Give the wrapped optimizer its own ``step`` back (``make_private``'s ``detach()``)."""
+        self._restore_wrapped_step()
 
     # -- the step -------------------------------------------------------------------------------
 
@@ -167,7 +220,7 @@ class DPOptimizer(torch.optim.Optimizer):
         for name, parameter in self.parameters.items():
             parameter.grad = noisy.pytree[name]
         self.clipper.reset()
-        return self.original_optimizer.step()
+        return self._step_wrapped()
 
 
 def _all_reduced(sums: dict, process_group) -> dict:

@@ -384,6 +384,7 @@ def _example_squares(calls, dense_names, tied_names, holders, tied_kept=None, re
     ghost_owner: dict[str, tuple[LayerCall, str]] = {}
     per_example: dict[str, torch.Tensor] = {}
     tied_kept = tied_kept or {}
+    formed_per_call = dense_names - set(tied_kept)  # a kept tied table is formed once, just below
     for name, (embedding, head) in tied_kept.items():
         per_example[name] = tied.per_example_grads(
             embedding.layer.module, embedding.stored, embedding.grads, head.stored, head.grads,
@@ -405,7 +406,7 @@ def _example_squares(calls, dense_names, tied_names, holders, tied_kept=None, re
                     else:
                         squared[name] = squares[local]
                         ghost_owner[name] = (call, local)
-        _add_per_example(call, dense_names - set(tied_kept), per_example, dtype)
+        _add_per_example(call, formed_per_call, per_example, dtype)
         if id(call) in released:
             _release(call)
     for name, grads in per_example.items():

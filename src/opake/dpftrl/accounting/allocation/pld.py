@@ -42,8 +42,7 @@ import numpy as np
 from opake.accounting.process import certified_epsilon, check_delta, check_epsilon, smallest_epsilon
 from opake.dpftrl.accounting.allocation import hockey_stick, pld_grid
 from opake.dpftrl.accounting.allocation.bin_gram import bin_gram_matrix
-from opake.dpftrl.accounting.allocation.rdp import rdp_delta, rdp_epsilon
-from opake.dpftrl.noise.priced import PricedNoise
+from opake.dpftrl.accounting.allocation.rdp import PricesLikeTheUnamplifiedBound, rdp_delta, rdp_epsilon
 
 RESOLUTION = 1e-3
 MAX_GRID = 1 << 19
@@ -266,7 +265,7 @@ def _band(epsilon: float) -> float:
 
 
 @dataclass(frozen=True, eq=False)
-class BallsInBinsPLD:
+class BallsInBinsPLD(PricesLikeTheUnamplifiedBound):
     """Balls-in-bins with orthogonal bins (DP-SGD): the random-allocation PLD, pessimistically discretized.
 
     ``delta_at(eps)`` is, per direction, the smallest of this PLD's bound, the closed-form weighted
@@ -286,24 +285,6 @@ class BallsInBinsPLD:
     _tables: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     is_guarantee = True
-
-    @property
-    def priced_noise(self) -> PricedNoise:
-        return self.rigorous.priced_noise
-
-    @property
-    def mechanism(self):
-        return self.rigorous.mechanism
-
-    @property
-    def participation(self):
-        return self.rigorous.participation
-
-    @property
-    def dp_event(self):
-        """The UNAMPLIFIED bound's ``GaussianDpEvent``: valid but looser (dp_accounting has no event
-        for random allocation)."""
-        return self.rigorous.dp_event
 
     @property
     def description(self) -> str:

@@ -265,8 +265,34 @@ def rdp_delta(rdp: np.ndarray, epsilon: float) -> float:
     return float(math.exp(min(log_delta.min(), 0.0)))
 
 
+class PricesLikeTheUnamplifiedBound:
+    """What a tighter balls-in-bins bound shares with the unamplified one it tightens
+    (``self.rigorous``): the same noise, mechanism and participation, and its ``dp_event``."""
+
+    @property
+    def priced_noise(self) -> PricedNoise:
+        """The same noise as the unamplified bound: the bound inner mechanism and sigma."""
+        return self.rigorous.priced_noise
+
+    @property
+    def mechanism(self):
+        """The resolved mechanism the noise engine must run (the unamplified bound's)."""
+        return self.rigorous.mechanism
+
+    @property
+    def participation(self):
+        """The participation the sampler guarantees: (n_steps, min_sep=num_bins, ceil(n_steps/num_bins))."""
+        return self.rigorous.participation
+
+    @property
+    def dp_event(self):
+        """The UNAMPLIFIED bound's ``GaussianDpEvent``: a valid dominating event, looser than the
+        tighter bound, because dp_accounting has no event for random allocation."""
+        return self.rigorous.dp_event
+
+
 @dataclass(frozen=True, eq=False)
-class BallsInBinsRDP:
+class BallsInBinsRDP(PricesLikeTheUnamplifiedBound):
     """Rigorous amplified balls-in-bins bound of the dominating pair; never worse than ``rigorous``.
 
     ``remove[i]`` bounds D_alpha(Q||P) and ``add[i]`` bounds D_alpha(P||Q), alpha = i + 2, each
@@ -321,27 +347,6 @@ class BallsInBinsRDP:
         """The bound on max(D_alpha(Q||P), D_alpha(P||Q)) for alpha = i + 2 (the mechanism's RDP)."""
         return np.maximum(self.remove, self.add)
 
-    @property
-    def priced_noise(self) -> PricedNoise:
-        """The same noise as the unamplified bound: the bound inner mechanism and sigma."""
-        return self.rigorous.priced_noise
-
-    @property
-    def mechanism(self):
-        """The resolved mechanism the noise engine must run (the unamplified bound's)."""
-        return self.rigorous.mechanism
-
-    @property
-    def participation(self):
-        """The participation the sampler guarantees: (n_steps, min_sep=num_bins, ceil(n_steps/num_bins))."""
-        return self.rigorous.participation
-
-    @property
-    def dp_event(self):
-        """The UNAMPLIFIED bound's ``GaussianDpEvent``: a valid dominating event, looser than this
-        process, because dp_accounting has no event for the amplified bound. For the amplified
-        Renyi curve itself, compose ``orders`` and ``rdp`` by adding them order by order."""
-        return self.rigorous.dp_event
 
     @property
     def orders(self) -> np.ndarray:
