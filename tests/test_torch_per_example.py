@@ -67,7 +67,7 @@ def test_linear_matches_reference(batch, length, width_in, width_out, bias, redu
 
 @pytest.mark.parametrize("route", ["ghost", "direct"])
 @pytest.mark.parametrize("kept", [False, True])
-@pytest.mark.parametrize("shape", [(3, 4, 5, 2), (1, 6, 2, 3), (4, 2, 3, 3)])
+@pytest.mark.parametrize("shape", [(3, 4, 5, 2), (1, 6, 2, 3), (4, 2, 3, 3), (3, 4, 2, 9)])
 def test_linear_routes_match_reference(shape, route, kept):
     # Each route forced on every shape, its per-example gradients kept for the sum pass or not,
     # with chunks of one example.
@@ -83,6 +83,19 @@ def test_linear_routes_match_reference(shape, route, kept):
                           lambda self, module, stored, grads, names: names if kept else ()),
     ):
         check_against_reference(model, inputs, _targets_like(model, inputs))
+
+
+@pytest.mark.parametrize(("width_in", "width_out", "transposed"), [(2, 9, True), (2, 8, True), (16, 64, True), (3, 11, False), (9, 2, False), (17, 80, False)])
+def test_narrow_input_weight_gradients_are_a_transposed_view_with_the_loop_values(width_in, width_out, transposed):
+    # in <= 16 and <= out / 4 (LoRA's B): formed as A^T G and returned transposed; norms and sums read it
+    # in storage order, and its values are the per-example products of a loop.
+    torch.manual_seed(0)
+    rows_a, rows_g = torch.randn(3, 5, width_in, dtype=F64), torch.randn(3, 5, width_out, dtype=F64)
+    grads = linear_rules.RULE._weight_grads(rows_a, rows_g)
+    assert grads.shape == (3, width_out, width_in) and grads.is_contiguous() is not transposed
+    loop = torch.stack([rows_g[i].t() @ rows_a[i] for i in range(3)])
+    torch.testing.assert_close(grads, loop, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(bookkeeping.squared_frobenius(grads), (loop**2).sum(dim=(1, 2)), rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize(

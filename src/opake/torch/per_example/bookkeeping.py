@@ -11,7 +11,8 @@ of the output gradients the hooks hold for the pass, so the pass's memory at mos
 2-conv CNN of issue 13 keeps both layers: B x 13.2k against B x 18.8k). A layer all of whose
 parameters are kept needs neither its stored input nor its output gradients after pass 1; they
 are dropped as soon as its gradients are formed, and what that frees returns to the budget
-(``_grant_kept``: tiny GPT-2 at T = 64 then keeps every projection and its tied table). Norms are reduced in
+(``_grant_kept``: tiny GPT-2 at T = 64 then keeps every projection and its tied table). A kept
+gradient of one call is squared as soon as it is formed, while it is still in cache. Norms are reduced in
 float32 (float64 for float64 layers); a parameter whose squares overflow is recomputed in float64 from
 the same stored tensors, and one that is still not finite raises.
 
@@ -43,7 +44,7 @@ from opake.torch.per_example import units as unit_norms
 from opake.torch.per_example.errors import BatchDimensionError, ClipperUsageError, NonFiniteGradientError
 from opake.torch.per_example.model import HookedLayer, describe
 from opake.torch.per_example.rules import tied
-from opake.torch.per_example.rules.base import squared_frobenius
+from opake.torch.per_example.rules.base import squared_frobenius, storage_order
 from opake.torch.per_example.rules.embedding import EmbeddingRule
 
 
@@ -262,10 +263,14 @@ def clip_forward_pass(
             for local, name in zip(layer.local_names, layer.global_names):
                 if local in ghost:
                     sums[name] = parts[local] + sums[name] if name in sums else parts[local]
-        # Kept per-example gradients (per-unit sums with units): one matrix-vector product each.
+        # Kept per-example gradients (per-unit sums with units): one (1, B) x (B, P) product each
+        # (10% faster than the matrix-vector product over the transposed view on one CPU thread).
         for name, grads in per_example.items():
-            flat = grads.reshape(grads.shape[0], -1)
-            sums[name] = torch.mv(flat.t(), weights.to(device=flat.device, dtype=flat.dtype)).reshape(grads.shape[1:])
+            stored, swapped = storage_order(grads)
+            flat = stored.reshape(stored.shape[0], -1)
+            row = weights.to(device=flat.device, dtype=flat.dtype).view(1, -1)
+            total = torch.mm(row, flat).view(stored.shape[1:])
+            sums[name] = total.transpose(-1, -2).contiguous() if swapped else total
         return sums
 
     # The stored output gradients already carry the loss's 1/B for a mean, so factor 1 gives .grad.
@@ -390,6 +395,7 @@ def _example_squares(calls, dense_names, tied_names, holders, tied_kept=None, re
             embedding.layer.module, embedding.stored, embedding.grads, head.stored, head.grads,
             _layer_dtype(head.layer),
         )
+        squared[name] = squared_frobenius(per_example[name])
         for call in (embedding, head):
             if id(call) in released:
                 _release(call)
@@ -406,11 +412,16 @@ def _example_squares(calls, dense_names, tied_names, holders, tied_kept=None, re
                     else:
                         squared[name] = squares[local]
                         ghost_owner[name] = (call, local)
-        _add_per_example(call, formed_per_call, per_example, dtype)
+        for name in _add_per_example(call, formed_per_call, per_example, dtype):
+            if len(holders[name]) == 1:
+                # Its only call: squared now, while the gradient just written is still in cache
+                # (measured 8 ms faster per tiny GPT-2 step than one pass over all of them after).
+                squared[name] = squared_frobenius(per_example[name])
         if id(call) in released:
             _release(call)
     for name, grads in per_example.items():
-        squared[name] = squared_frobenius(grads)
+        if name not in squared:  # summed over several calls: complete only now
+            squared[name] = squared_frobenius(grads)
     for name in tied_names:
         squared[name] = _tied_squares(holders[name], _layer_dtype(holders[name][0][0].layer), squared[name])
     return squared, per_example, ghost_owner
@@ -422,17 +433,21 @@ def _release(call: LayerCall) -> None:
     call.grads = [None] * len(call.grads)
 
 
-def _add_per_example(call: LayerCall, dense_names, per_example: dict, dtype) -> None:
-    """Add ``call``'s per-example gradients of ``dense_names`` into ``per_example`` (summed over calls)."""
+def _add_per_example(call: LayerCall, dense_names, per_example: dict, dtype) -> list[str]:
+    """Add ``call``'s per-example gradients of ``dense_names`` into ``per_example`` (summed over
+    calls); returns the names it added to."""
     layer = call.layer
     dense = [local for local, name in zip(layer.local_names, layer.global_names) if name in dense_names]
     if not dense:
-        return
+        return []
     grads = layer.rule.per_example_grads(layer.module, call.stored, call.grads, dense, dtype)
+    added = []
     for local, name in zip(layer.local_names, layer.global_names):
         if local in dense:
             part = grads[local]
             per_example[name] = part if name not in per_example else per_example[name] + part
+            added.append(name)
+    return added
 
 
 def _unit_squares(calls, dense_names, tied_names, holders, grouping, regroup: bool, dtype=None, only=None):

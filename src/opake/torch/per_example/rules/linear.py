@@ -160,7 +160,16 @@ class LinearRule(LayerRule):
 
     @staticmethod
     def _weight_grads(rows_a: torch.Tensor, rows_g: torch.Tensor) -> torch.Tensor:
-        """(B, out, in) per-example weight gradients ``G_i^T A_i``."""
+        """(B, out, in) per-example weight gradients ``G_i^T A_i``.
+
+        When ``in`` is at most 16 and a quarter of ``out`` (LoRA's B matrix: in = the rank) they
+        are formed as ``A_i^T G_i`` (B, in, out) and returned as its transposed view: a batched
+        product with rows that narrow runs 1.5-3x slower on one CPU thread (16 examples of 64
+        positions, rank 8, out 384: 169 against 71 us); from in = 32 on it is a wash or worse.
+        Norms and sums read the view in storage order (``storage_order``).
+        """
+        if rows_a.shape[2] <= 16 and 4 * rows_a.shape[2] <= rows_g.shape[2]:
+            return torch.bmm(rows_a.transpose(1, 2), rows_g).transpose(1, 2)
         return torch.bmm(rows_g.transpose(1, 2), rows_a)
 
 
