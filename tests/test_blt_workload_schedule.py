@@ -355,3 +355,92 @@ def test_against_the_optimal_toeplitz_strategy_at_small_n():
     best, _ = optimal_toeplitz(w, coefs)
     assert best <= mech.max_loss
     assert mech.max_loss / best < 1.10
+
+
+def _explored(n, name, setting, buffers):
+    """A scheduled problem and the end of an exploration run on it (the polish's usual start)."""
+    eta = schedules(n)[name]
+    ctx = Participation(n, 1, 1)
+    steer = ScheduledParameterErrors(eta, blt_workload.ParameterWorkload(*setting))
+    v0 = blt_optimize._initial_free(buffers, n, math.log(n) + 1.0)
+    v, _ = blt_optimize._minimize(v0, ctx, "max", steer, eta, stall=blt_optimize._SCHEDULED_EXPLORE_STALL,
+                                  eval_window=blt_optimize._SCHEDULED_EVAL_WINDOW,
+                                  max_iterations=blt_optimize._EXPLORE_ITERATIONS)
+    return ctx, steer, eta, v
+
+
+def test_probes_along_a_basis_give_the_gradient_in_its_coordinates():
+    # The preconditioned polish probes v + i h M e_j; their imaginary parts must be (M^T grad)_j,
+    # with grad from the coordinate probes and checked against central differences of the real loss.
+    ctx, steer, eta, v = _explored(3000, "warmup-linear", (0.9, 0.0, True), 3)
+    rng = np.random.default_rng(11)
+    basis = rng.normal(size=(v.shape[0], v.shape[0]))
+    grad = blt_optimize._gradient(v, ctx, "max", steer, eta)
+    along = blt_optimize._loss(v[None, :] + 1e-20j * basis.T, ctx, "max", steer, eta).imag / 1e-20
+    np.testing.assert_allclose(along, basis.T @ grad, rtol=1e-9, atol=1e-12 * np.abs(basis.T @ grad).max())
+    h = 1e-6
+    for j in range(2):
+        up = float(blt_optimize._loss(v + h * basis[:, j], ctx, "max", steer, eta).real)
+        down = float(blt_optimize._loss(v - h * basis[:, j], ctx, "max", steer, eta).real)
+        assert along[j] == pytest.approx((up - down) / (2 * h), rel=1e-4, abs=1e-7)
+
+
+def test_minimize_stops_at_its_evaluation_budget_and_reports_it():
+    ctx, steer, eta, v = _explored(3000, "cosine", (0.9, 0.0, False), 3)
+    calls = {"n": 0}
+    original = blt_optimize._loss
+
+    def counted(*args):
+        calls["n"] += 1
+        return original(*args)
+
+    report = {}
+    blt_optimize._loss = counted
+    try:
+        x, value = blt_optimize._minimize(v + 0.3, ctx, "max", steer, eta, stall=1e-12, max_iterations=150,
+                                          eval_window=15, max_evaluations=4, report=report)
+    finally:
+        blt_optimize._loss = original
+    assert calls["n"] == 4 and report["exhausted"]
+    assert report["first"] == pytest.approx(float(original(v + 0.3, ctx, "max", steer, eta).real), rel=1e-14)
+    assert value == pytest.approx(float(original(x, ctx, "max", steer, eta).real), rel=1e-14)
+    assert value <= report["first"]
+
+
+@pytest.mark.parametrize("name, setting, buffers", [("warmup-linear", (0.9, 0.0, True), 4),
+                                                    ("warmup-linear", (0.9, 0.3, False), 4),
+                                                    ("cosine", (0.9, 0.0, True), 4)])
+def test_preconditioned_polish_is_not_worse_than_plain_lbfgs(name, setting, buffers, monkeypatch):
+    # From the same explored point: the polish (plain L-BFGS for a few evaluations, then
+    # preconditioned) against the plain polish of 150 L-BFGS iterations it replaced, on the exact
+    # loss from the O(n) rows. These three cases do reach the preconditioned stage.
+    from opake.dpftrl.strategies import blt
+
+    n = 3000
+    ctx, steer, eta, v = _explored(n, name, setting, buffers)
+    plain, _ = blt_optimize._minimize(v, ctx, "max", steer, eta, stall=blt_optimize._POLISH_STALL,
+                                      max_iterations=blt_optimize._POLISH_ITERATIONS,
+                                      eval_window=blt_optimize._SCHEDULED_EVAL_WINDOW)
+    used = []
+    original = blt_optimize._preconditioner
+    monkeypatch.setattr(blt_optimize, "_preconditioner", lambda *a: used.append(1) or original(*a))
+    polished = blt_optimize._polish(v, ctx, "max", steer, eta, scheduled=True)
+    assert used
+
+    def exact(w):
+        d = blt_optimize.decays_from_free(w, blt_optimize.max_log_complement(n))
+        rows = blt_workload.scheduled_parameter_rows(d.leak, d.leak_hat, d.omega_hat, steer.workload, n, eta)
+        return blt.minsep_sensitivity_squared_arrays(d.theta, d.leak, d.omega, ctx) * rows.max()
+
+    assert exact(polished) <= exact(plain) * (1 + 1e-9)
+    assert exact(polished) < exact(v)
+
+
+def test_polish_without_a_schedule_is_plain_lbfgs():
+    # Unscheduled contexts keep the plain polish: same iterates as _minimize with the polish rules.
+    ctx = Participation(2000, 1, 1)
+    v = blt_optimize._initial_free(3, 2000, math.log(2000) + 1.0)
+    want, _ = blt_optimize._minimize(v, ctx, "max", 0.9, None, stall=blt_optimize._POLISH_STALL,
+                                     max_iterations=blt_optimize._POLISH_ITERATIONS)
+    got = blt_optimize._polish(v, ctx, "max", 0.9, None, scheduled=False)
+    assert np.array_equal(got, want)
