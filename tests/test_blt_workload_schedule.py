@@ -375,8 +375,8 @@ def test_probes_along_a_basis_give_the_gradient_in_its_coordinates():
     ctx, steer, eta, v = _explored(3000, "warmup-linear", (0.9, 0.0, True), 3)
     rng = np.random.default_rng(11)
     basis = rng.normal(size=(v.shape[0], v.shape[0]))
-    grad = blt_optimize._gradient(v, ctx, "max", steer, eta)
-    along = blt_optimize._loss(v[None, :] + 1e-20j * basis.T, ctx, "max", steer, eta).imag / 1e-20
+    _, grad = blt_optimize._value_and_gradient(v, np.eye(v.shape[0]), ctx, "max", steer, eta)
+    _, along = blt_optimize._value_and_gradient(v, basis.T, ctx, "max", steer, eta)
     np.testing.assert_allclose(along, basis.T @ grad, rtol=1e-9, atol=1e-12 * np.abs(basis.T @ grad).max())
     h = 1e-6
     for j in range(2):
@@ -402,9 +402,8 @@ def test_minimize_stops_at_its_evaluation_budget_and_reports_it():
     finally:
         blt_optimize._loss = original
     assert calls["n"] == 4 and report["exhausted"]
-    assert report["first"] == pytest.approx(float(original(v + 0.3, ctx, "max", steer, eta).real), rel=1e-14)
     assert value == pytest.approx(float(original(x, ctx, "max", steer, eta).real), rel=1e-14)
-    assert value <= report["first"]
+    assert value <= float(original(v + 0.3, ctx, "max", steer, eta).real)
 
 
 @pytest.mark.parametrize("name, setting, buffers", [("warmup-linear", (0.9, 0.0, True), 4),

@@ -255,8 +255,7 @@ def _minimize(v0: np.ndarray, ctx, error, target, schedule, *, stall: float, max
     """L-BFGS from v0 until stalled: _STALL_WINDOW iterations (``minimize_until_stalled``) or, given
     ``eval_window``, that many evaluations that lowered the best value by less than ``stall`` (or
     _QUIET_WINDOW that lowered it by less than _QUIET x ``stall``), or after ``max_evaluations``
-    evaluations (then ``report["exhausted"]`` is set, given a ``report`` dict; ``report["first"]``
-    is the value at v0 in any case).
+    evaluations (then ``report["exhausted"]`` is set, given a ``report`` dict).
 
     The second rule is for the max-of-rows objective under a schedule: once converged, its line
     searches can spend many evaluations per iteration on changes in the 12th digit, so counting
@@ -276,11 +275,7 @@ def _minimize(v0: np.ndarray, ctx, error, target, schedule, *, stall: float, max
             if seen["count"] >= max_evaluations:
                 raise _Exhausted
             seen["count"] += 1
-        probes = v[None, :] + (1j * _STEP) * directions
-        loss = _loss(probes, ctx, error, target, schedule)
-        value = float(loss[0].real)
-        if report is not None:
-            report.setdefault("first", value)
+        value, gradient = _value_and_gradient(v, directions, ctx, error, target, schedule)
         if eval_window is not None or max_evaluations is not None:
             if value < seen["f"]:
                 seen["f"], seen["x"] = value, np.array(v)
@@ -291,7 +286,7 @@ def _minimize(v0: np.ndarray, ctx, error, target, schedule, *, stall: float, max
                 raise _Stalled
             if len(history) > _QUIET_WINDOW and history[-_QUIET_WINDOW - 1] - history[-1] < _QUIET * stall:
                 raise _Stalled  # converged: the line search only probes the last digits
-        return value, loss.imag / _STEP
+        return value, gradient
 
     start = v0 if basis is None else np.zeros(v0.shape[0])
     try:
@@ -308,9 +303,11 @@ def _minimize(v0: np.ndarray, ctx, error, target, schedule, *, stall: float, max
     return (x if basis is None else v0 + basis @ x), value
 
 
-def _gradient(v: np.ndarray, ctx, error, target, schedule) -> np.ndarray:
-    probes = v[None, :] + (1j * _STEP) * np.eye(v.shape[0])
-    return _loss(probes, ctx, error, target, schedule).imag / _STEP
+def _value_and_gradient(v: np.ndarray, directions: np.ndarray, ctx, error, target, schedule):
+    """The loss at v and its derivatives along the rows of ``directions``: one complex-step
+    probe per direction, all sharing the real part v."""
+    loss = _loss(v[None, :] + (1j * _STEP) * directions, ctx, error, target, schedule)
+    return float(loss[0].real), loss.imag / _STEP
 
 
 def _preconditioner(v: np.ndarray, ctx, error, target, schedule) -> np.ndarray | None:
@@ -323,12 +320,13 @@ def _preconditioner(v: np.ndarray, ctx, error, target, schedule) -> np.ndarray |
     the softmax parametrization is constant, has lambda ~ 0. None if a quotient is not finite.
     """
     size = v.shape[0]
-    g0 = _gradient(v, ctx, error, target, schedule)
+    axes = np.eye(size)
+    _, g0 = _value_and_gradient(v, axes, ctx, error, target, schedule)
     hessian = np.empty((size, size))
     for j in range(size):
         step = np.zeros(size)
         step[j] = _HESSIAN_STEP
-        hessian[:, j] = (_gradient(v + step, ctx, error, target, schedule) - g0) / _HESSIAN_STEP
+        hessian[:, j] = (_value_and_gradient(v + step, axes, ctx, error, target, schedule)[1] - g0) / _HESSIAN_STEP
     hessian = 0.5 * (hessian + hessian.T)
     if not np.all(np.isfinite(hessian)):
         return None
