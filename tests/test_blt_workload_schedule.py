@@ -403,7 +403,9 @@ def test_minimize_stops_at_its_evaluation_budget_and_reports_it():
         blt_optimize._loss = original
     assert calls["n"] == 4 and report["exhausted"]
     assert value == pytest.approx(float(original(x, ctx, "max", steer, eta).real), rel=1e-14)
-    assert value <= float(original(v + 0.3, ctx, "max", steer, eta).real)
+    # (v + 0.3 is v itself in the softmax parametrization: the first evaluation may be the best,
+    # and the probes' complex arithmetic rounds differently from this real evaluation)
+    assert value <= float(original(v + 0.3, ctx, "max", steer, eta).real) * (1 + 1e-14)
 
 
 @pytest.mark.parametrize("name, setting, buffers", [("warmup-linear", (0.9, 0.0, True), 4),
