@@ -485,6 +485,9 @@ def print_tables(results: dict, s: dict, args) -> None:
     print(f"{s['layers']} layers, width {s['width']}, sequence {s['sequence']}, batch {s['batch']} (the DP batches "
           f"vary: balls in bins; the non-private step takes the same ones), AdamW, loss: sum of the examples' "
           f"token means; device {args.device}, threads {args.threads}, best of {args.repeats}")
+    tunables = {name: value for name, value in os.environ.items() if name.startswith("MALLOC_") or name == "GLIBC_TUNABLES"}
+    print("allocator: " + (", ".join(f"{k}={v}" for k, v in sorted(tunables.items())) + " (from the environment)"
+                           if tunables else "the C library's defaults"))
     print("\nThroughput. ms: best time per example x the nominal batch (wall clock); ratio = non-private / DP time "
           "(wall; 'CPU': the same from process CPU time, less moved by other load; 'median': of the per-batch "
           "wall ratios). Opacus, in its own process on fixed batches: its DP step's time, its ratio to the "
