@@ -437,6 +437,34 @@ def test_preconditioned_polish_is_not_worse_than_plain_lbfgs(name, setting, buff
     assert exact(polished) < exact(v)
 
 
+def test_preconditioned_polish_stops_at_its_budget(monkeypatch):
+    # The polish is at most _POLISH_PROBE plain evaluations, 2B + 2 for the Hessian estimate and
+    # _POLISH_BUDGET preconditioned ones; with a budget of 3 it must stop there, and its result is
+    # never worse than the point it started the preconditioned stage from.
+    ctx, steer, eta, v = _explored(3000, "warmup-linear", (0.9, 0.0, True), 4)
+    calls = {"n": 0}
+    original = blt_optimize._value_and_gradient
+
+    def counted(*args):
+        calls["n"] += 1
+        return original(*args)
+
+    monkeypatch.setattr(blt_optimize, "_value_and_gradient", counted)
+    monkeypatch.setattr(blt_optimize, "_POLISH_BUDGET", 3)
+    polished = blt_optimize._polish(v, ctx, "max", steer, eta, scheduled=True)
+    size = v.shape[0]
+    assert calls["n"] == blt_optimize._POLISH_PROBE + (size + 1) + 3
+    probe_end, _ = blt_optimize._minimize(v, ctx, "max", steer, eta, stall=blt_optimize._POLISH_STALL,
+                                          max_iterations=blt_optimize._POLISH_ITERATIONS,
+                                          eval_window=blt_optimize._SCHEDULED_EVAL_WINDOW,
+                                          max_evaluations=blt_optimize._POLISH_PROBE)
+
+    def loss(w):
+        return float(original(w, np.eye(size), ctx, "max", steer, eta)[0])
+
+    assert loss(polished) <= loss(probe_end)
+
+
 def test_polish_without_a_schedule_is_plain_lbfgs():
     # Unscheduled contexts keep the plain polish: same iterates as _minimize with the polish rules.
     ctx = Participation(2000, 1, 1)
