@@ -385,22 +385,25 @@ def test_probes_along_a_basis_give_the_gradient_in_its_coordinates():
         assert along[j] == pytest.approx((up - down) / (2 * h), rel=1e-4, abs=1e-7)
 
 
-def test_minimize_stops_at_its_evaluation_budget_and_reports_it():
-    ctx, steer, eta, v = _explored(3000, "cosine", (0.9, 0.0, False), 3)
+def _count_calls(monkeypatch, name: str):
+    """Replace blt_optimize.<name> by a wrapper counting its calls: (the counter, the original)."""
     calls = {"n": 0}
-    original = blt_optimize._loss
+    original = getattr(blt_optimize, name)
 
     def counted(*args):
         calls["n"] += 1
         return original(*args)
 
+    monkeypatch.setattr(blt_optimize, name, counted)
+    return calls, original
+
+
+def test_minimize_stops_at_its_evaluation_budget_and_reports_it(monkeypatch):
+    ctx, steer, eta, v = _explored(3000, "cosine", (0.9, 0.0, False), 3)
     report = {}
-    blt_optimize._loss = counted
-    try:
-        x, value = blt_optimize._minimize(v + 0.3, ctx, "max", steer, eta, stall=1e-12, max_iterations=150,
-                                          eval_window=15, max_evaluations=4, report=report)
-    finally:
-        blt_optimize._loss = original
+    calls, original = _count_calls(monkeypatch, "_loss")
+    x, value = blt_optimize._minimize(v + 0.3, ctx, "max", steer, eta, stall=1e-12, max_iterations=150,
+                                      eval_window=15, max_evaluations=4, report=report)
     assert calls["n"] == 4 and report["exhausted"]
     assert value == pytest.approx(float(original(x, ctx, "max", steer, eta).real), rel=1e-14)
     # (v + 0.3 is v itself in the softmax parametrization: the first evaluation may be the best,
@@ -442,14 +445,7 @@ def test_preconditioned_polish_stops_at_its_budget(monkeypatch):
     # _POLISH_BUDGET preconditioned ones; with a budget of 3 it must stop there, and its result is
     # never worse than the point it started the preconditioned stage from.
     ctx, steer, eta, v = _explored(3000, "warmup-linear", (0.9, 0.0, True), 4)
-    calls = {"n": 0}
-    original = blt_optimize._value_and_gradient
-
-    def counted(*args):
-        calls["n"] += 1
-        return original(*args)
-
-    monkeypatch.setattr(blt_optimize, "_value_and_gradient", counted)
+    calls, original = _count_calls(monkeypatch, "_value_and_gradient")
     monkeypatch.setattr(blt_optimize, "_POLISH_BUDGET", 3)
     polished = blt_optimize._polish(v, ctx, "max", steer, eta, scheduled=True)
     size = v.shape[0]
