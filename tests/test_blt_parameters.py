@@ -9,6 +9,8 @@ can be tiny) catches any slip in a weight or an exponent.
 
 from __future__ import annotations
 
+import zlib
+
 import numpy as np
 import pytest
 from hypothesis import given
@@ -56,7 +58,8 @@ SGD_SETTINGS = [
 @pytest.mark.parametrize("momentum, dampening, nesterov", SGD_SETTINGS)
 @pytest.mark.parametrize("schedule_kind", ["constant", "unit", "cosine", "step-decay"])
 def test_per_query_errors_match_torch_sgd(momentum, dampening, nesterov, schedule_kind):
-    rng = np.random.default_rng(abs(hash((momentum, dampening, nesterov, schedule_kind))) % 2**32)
+    # (a seed of the case's text: hash() of a str changes with every interpreter, PYTHONHASHSEED)
+    rng = np.random.default_rng(zlib.crc32(repr((momentum, dampening, nesterov, schedule_kind)).encode()))
     workload = blt_workload.ParameterWorkload(momentum, dampening, nesterov)
     for n in (1, 2, 7, 60, 300):
         params = _random_blt(rng)

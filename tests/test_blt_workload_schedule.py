@@ -10,6 +10,7 @@ O(n) route's complex step.
 from __future__ import annotations
 
 import math
+import zlib
 
 import numpy as np
 import pytest
@@ -172,7 +173,7 @@ def test_blocked_powers_match_direct_powers():
 @pytest.mark.parametrize("setting", SETTINGS)
 @pytest.mark.parametrize("name", ["constant", "cosine", "step", "warmup-linear"])
 def test_rows_match_torch_sgd_oracle(setting, name):
-    rng = np.random.default_rng(abs(hash((setting, name))) % 2**32)
+    rng = np.random.default_rng(zlib.crc32(repr((setting, name)).encode()))  # (hash() of a str varies per run)
     workload = blt_workload.ParameterWorkload(*setting)
     for n in (2, 9, 60):
         eta = schedules(n)[name]
