@@ -352,12 +352,10 @@ def test_many_bins_claim_no_majorized_bound_above_its_largest_order(monkeypatch)
 
 
 @pytest.mark.slow
-def test_calibration_sizes_are_quiet_and_fast():
+def test_calibration_sizes_are_quiet_and_amplified():
     # issue 19: the plans' calibrations evaluate 976 bins over 3 epochs and 781 bins over 20
     # epochs 10-30 times; each evaluation after the first (which caches the sigma-free parts)
-    # must be quick and print nothing.
-    import time
-
+    # must print nothing (their times: benchmarks/accounting.py, "per evaluation at the plans' sizes").
     strategy = blt_strategy()
     for num_bins, n_steps, sigmas in [(976, 2928, (14.6, 5.3, 2.3)), (781, 15620, (48.8, 17.8, 7.5))]:
         with warnings.catch_warnings():
@@ -367,10 +365,7 @@ def test_calibration_sizes_are_quiet_and_fast():
                                              n_steps=n_steps, method="amplified")
             first.epsilon_at(1e-6)
             for sigma in sigmas:
-                start = time.perf_counter()
                 process = dpftrl_acc.balls_in_bins(dpftrl_acc.mf_gaussian(sigma, strategy), num_bins=num_bins,
                                                    n_steps=n_steps, method="amplified")
                 epsilon = process.epsilon_at(1e-6)
-                seconds = time.perf_counter() - start
                 assert epsilon < process.rigorous.epsilon_at(1e-6)  # amplified
-                assert seconds < 2.0  # about 0.1 s unloaded; generous for a shared CI machine
