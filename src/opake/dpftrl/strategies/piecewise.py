@@ -25,7 +25,7 @@ polynomial in m is interpolated (``autocorrelation``).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -161,14 +161,15 @@ class PiecewiseSchedule:
     coef: np.ndarray         # (K, degree + 1), in z = k / length
     max_relative_error: float
     breaks: np.ndarray       # step 1 and the steps where a jump or kink of eta was found
+    compressed: np.ndarray = field(repr=False)   # (n,) the pieces' values, read-only (``values``)
 
     @property
     def num_pieces(self) -> int:
         return int(self.start.shape[0])
 
     def values(self) -> np.ndarray:
-        """The compressed schedule eta_0..eta_{n-1} (for tests and the error bound)."""
-        return _values(self.n_steps, self.first, self.start, self.length, self.coef)
+        """The compressed schedule eta_0..eta_{n-1} (read-only; the error bound is measured on it)."""
+        return self.compressed
 
 
 def _values(n_steps: int, first: float, start: np.ndarray, length: np.ndarray, coef: np.ndarray) -> np.ndarray:
@@ -231,7 +232,7 @@ def compress(eta: np.ndarray, *, degree: int = 5, tolerance: float = 1e-12, max_
     n = eta.shape[0]
     tol = float(tolerance)
     while True:
-        pieces, worst, breaks = _bisect(eta, degree, tol, max_pieces)
+        pieces, breaks = _bisect(eta, degree, tol, max_pieces)
         if pieces is not None:
             break
         tol *= 10.0
@@ -252,18 +253,18 @@ def compress(eta: np.ndarray, *, degree: int = 5, tolerance: float = 1e-12, max_
         arr.setflags(write=False)
     breaks = np.array(breaks, dtype=np.int64)
     breaks.setflags(write=False)
-    if grade or max_length is not None:
-        # grading and cutting re-expand the fitted polynomials, which moves their values by
-        # rounding (seen: 6.30e-13 -> 6.34e-13): the bound reported is the one the final pieces meet
-        values = _values(n, float(eta[0]), start, length, coef)
-        worst = float(np.max(np.abs(values[1:] / eta[1:] - 1.0))) if n > 1 else 0.0
-    return PiecewiseSchedule(n, float(eta[0]), start, length, coef, worst, breaks)
+    # The bound reported is measured on the final pieces: grading and cutting re-expand the fitted
+    # polynomials, which moves their values by rounding (seen: 6.30e-13 -> 6.34e-13).
+    values = _values(n, float(eta[0]), start, length, coef)
+    values.setflags(write=False)
+    worst = float(np.max(np.abs(values[1:] / eta[1:] - 1.0))) if n > 1 else 0.0
+    return PiecewiseSchedule(n, float(eta[0]), start, length, coef, worst, breaks, values)
 
 
 def _bisect(eta, degree, tol, max_pieces):
     n = eta.shape[0]
     stack = [(1, n)] if n > 1 else []
-    pieces, worst, breaks = [], 0.0, []
+    pieces, breaks = [], []
     while stack:
         a, b = stack.pop()
         values = eta[a:b]
@@ -283,9 +284,8 @@ def _bisect(eta, degree, tol, max_pieces):
         err = float(np.max(np.abs(fitted - values) / values))
         if err <= tol or b - a <= degree + 1:
             pieces.append((a, b - a, coef))
-            worst = max(worst, err)
             if len(pieces) > max_pieces:
-                return None, worst, breaks
+                return None, breaks
             continue
         offset, spike = _split_point(values)
         cut = a + offset
@@ -294,7 +294,7 @@ def _bisect(eta, degree, tol, max_pieces):
         stack.append((cut, b))
         stack.append((a, cut))
     pieces.sort(key=lambda p: p[0])
-    return pieces, worst, breaks
+    return pieces, breaks
 
 
 def _grade(pieces, breaks):
