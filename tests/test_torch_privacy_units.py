@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -22,6 +23,7 @@ import opake.random
 import opake.torch.private as private_module
 from opake.dpftrl.noise import identity_strategy
 from opake.dpftrl.participation import Participation
+from opake.dpftrl.sampling import PrivacyUnits
 from opake.torch import make_private
 from opake.torch.losses import token_mean_per_example
 from opake.torch.per_example import ClipperUsageError, PerExampleClipper
@@ -441,6 +443,54 @@ def test_bad_privacy_units_are_refused(monkeypatch):
 def test_tensor_ids_are_read_by_value():
     """A tensor's elements hash by identity; read as values, equal ids are one user."""
     assert _plan_with(torch.tensor([0, 1] * 5)).plan.privacy_unit == "user (2 units)"
+
+
+USERS = [3, 1, 3, 2, 1, 3, 5, 7, 7, 2]  # 5 distinct users over 10 examples
+
+
+def _id_forms() -> dict:
+    column = torch.tensor(USERS)
+    records = torch.utils.data.TensorDataset(torch.randn(10, 4), column)
+    return {
+        # docs/torch.md's [record["user_id"] for record in train_ds] on a TensorDataset (or a Hugging
+        # Face dataset in torch format): a list of 0-d tensors
+        "0-d tensors": [record[1] for record in records],
+        "numpy scalars": list(np.asarray(USERS, dtype=np.int64)),
+        "mixed": [torch.tensor(u) if i % 3 == 0 else np.int32(u) if i % 3 == 1 else u for i, u in enumerate(USERS)],
+        "one-element tensors": [torch.tensor([u]) for u in USERS],
+        "floats and ints": [float(u) if i % 2 else u for i, u in enumerate(USERS)],
+    }
+
+
+@pytest.mark.parametrize("form", sorted(_id_forms()))
+def test_ids_of_every_form_group_exactly_the_examples_they_name(form):
+    ids = _id_forms()[form]
+    units = PrivacyUnits.from_ids(ids)
+    assert np.array_equal(units.unit_of_example, PrivacyUnits.from_ids(USERS).unit_of_example)
+    assert _plan_with(ids).plan.privacy_unit == f"user ({len(set(USERS))} units)"
+    if form == "0-d tensors":
+        # negative control: grouped by hash as they come, each tensor is a user of its own (the
+        # example-level guarantee reported as a user-level one)
+        assert len({value: None for value in ids}) == len(ids) == 10
+
+
+def test_ids_that_cannot_be_grouped_by_value_are_refused():
+    with pytest.raises(TypeError, match=r"Tensor of shape \(2,\).*one scalar id per example"):
+        PrivacyUnits.from_ids([torch.tensor([u, u]) for u in USERS])
+
+    class User:  # equality by identity: two User("a") would be two users
+        def __init__(self, name):
+            self.name = name
+
+    with pytest.raises(TypeError, match="hashes by identity"):
+        _plan_with([User(str(u)) for u in USERS])
+
+    class IdentityHashedInt(int):  # equal by value, hashed by identity
+        def __hash__(self):
+            return id(self)
+
+    with pytest.raises(ValueError, match="5 distinct values but grouping them by hash gave 10 units"):
+        PrivacyUnits.from_ids([IdentityHashedInt(u) for u in USERS])
 
 
 # -- (e) DPTrainer ----------------------------------------------------------------------------------

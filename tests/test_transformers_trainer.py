@@ -19,7 +19,7 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 import opake.random  # noqa: E402
-from opake.torch import UnplannedBatchError, make_private  # noqa: E402
+from opake.torch import ForeignOptimizerError, UnplannedBatchError, make_private  # noqa: E402
 from opake.transformers import (  # noqa: E402
     CHECKPOINT_NAME,
     DPTrainer,
@@ -158,6 +158,28 @@ def test_plain_trainer_on_its_own_loader_is_refused(tmp_path):
         trainer.train()
     assert private.steps_taken == 0
     assert_same(parameters(model), before)
+
+
+def test_plain_trainer_given_the_private_module_is_refused_before_any_step(tmp_path):
+    # Trainer builds its own AdamW over the model it is given: that optimizer would train on
+    # autograd's unclipped, un-noised gradients while private.epsilon is reported.
+    model, dataset = gpt2(), CharDataset(sentences(32))
+    private = make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.05), dataset=dataset,
+                           batch_size=8, epochs=1, max_grad_norm=1.0, key=opake.random.key(0),
+                           collate_fn=collate_allowing_empty, **PLAN)
+    settings = dict(optim="adamw_torch", max_steps=2, logging_steps=1)
+    trainer = transformers.Trainer(model=private.module, args=arguments(tmp_path, **settings), train_dataset=dataset,
+                                   data_collator=collate)
+    before = parameters(model)
+    with pytest.raises(ForeignOptimizerError, match=r"AdamW holds parameters of a module made private.*DPTrainer"):
+        trainer.train()
+    assert private.steps_taken == 0
+    assert_same(parameters(model), before)
+    # negative control: the unprotected behaviour, the same Trainer on the detached module trains
+    private.detach()
+    transformers.Trainer(model=model, args=arguments(tmp_path, **settings), train_dataset=dataset,
+                         data_collator=collate).train()
+    assert any(not torch.equal(p, before[name]) for name, p in parameters(model).items())
 
 
 @pytest.mark.parametrize("adapters", [False, True], ids=["full", "lora"])

@@ -43,6 +43,7 @@ from typing import Callable
 
 from opake._checks import positive_finite
 from opake.accounting.budget import EpsilonBudget
+from opake.errors import OpakeError
 
 _MAX_EVALUATIONS = 200
 # The interpolated point goes this fraction of the tolerance past the estimated root, and a
@@ -52,7 +53,7 @@ _OVERSHOOT = 0.5
 _CLOSING = 0.98
 
 
-class CalibrationRangeError(ValueError):
+class CalibrationRangeError(OpakeError, ValueError):
     """The budget is not crossed inside [param_min, param_max]; the message says which end to move.
 
     ``end`` is "max" (even param_max misses the budget) or "min" (param_min already meets it).
@@ -63,7 +64,7 @@ class CalibrationRangeError(ValueError):
         self.end = end
 
 
-class EstimateNotAllowedError(ValueError):
+class EstimateNotAllowedError(OpakeError, ValueError):
     """calibrate was given an estimate (``is_guarantee`` not True) without ``allow_estimates=True``."""
 
 

@@ -84,6 +84,7 @@ import torch
 from torch.func import grad, vmap
 
 from opake._checks import positive_finite
+from opake.errors import OpakeError
 from opake.types import ClippedPytree
 
 __all__ = ["ClipState", "LossShapeError", "NonFiniteGradientError", "clip_factors", "clipped_grad"]
@@ -92,11 +93,11 @@ NONFINITE_MODES = ("raise", "zero")
 _MAX_NAMED_EXAMPLES = 5
 
 
-class NonFiniteGradientError(RuntimeError):
+class NonFiniteGradientError(OpakeError, RuntimeError):
     """A per-example gradient held a NaN or an infinity (with ``nonfinite="raise"``)."""
 
 
-class LossShapeError(ValueError):
+class LossShapeError(OpakeError, ValueError):
     """``loss_fn`` did not return a real scalar tensor for one example."""
 
 

@@ -480,13 +480,29 @@ class PrivacyUnits:
 
     @classmethod
     def from_ids(cls, ids) -> "PrivacyUnits":
-        """Units from one id per example (any hashable values: user names, numbers), numbered by
-        first appearance."""
+        """Units from one id per example, numbered by first appearance; equal ids are one unit.
+
+        Ids are compared by value: numbers, strings, bytes, tuples and other values that hash by
+        value; numpy scalars and one-element (or 0-d) tensors and arrays are read as their value,
+        so ``torch.tensor(7)``, ``np.int64(7)`` and ``7`` are one user. A tensor hashes by
+        identity, so equal tensor ids would otherwise each make a unit of their own and turn
+        user-level privacy into example-level privacy silently; other ids that hash by identity
+        (objects without value equality) and multi-element tensors are refused. The number of
+        units is checked against a count of the distinct values made by sorting, independent of
+        hashing, when the ids are all numbers or all strings.
+        """
+        values = [_id_value(value) for value in ids]
         numbers_by_id: dict = {}
         try:
-            units = [numbers_by_id.setdefault(value, len(numbers_by_id)) for value in ids]
+            units = [numbers_by_id.setdefault(value, len(numbers_by_id)) for value in values]
         except TypeError:
             raise TypeError("privacy unit ids must be hashable (one user id per example)") from None
+        distinct = _distinct_by_sorting(values)
+        if distinct is not None and distinct != len(numbers_by_id):
+            raise ValueError(
+                f"the privacy unit ids hold {distinct} distinct values but grouping them by hash gave "
+                f"{len(numbers_by_id)} units; use ids that hash by value (integers or strings)"
+            )
         return cls(np.asarray(units, dtype=np.int64))
 
     @property
@@ -499,6 +515,36 @@ class PrivacyUnits:
 
     def examples(self, unit: int) -> np.ndarray:
         return self._order[self._offsets[unit]:self._offsets[unit + 1]]
+
+
+def _id_value(value):
+    """A privacy unit id as a value that hashes and compares by value (``PrivacyUnits.from_ids``)."""
+    if isinstance(value, (torch.Tensor, np.ndarray)):
+        if value.size == 1 if isinstance(value, np.ndarray) else value.numel() == 1:
+            return value.item()
+        raise TypeError(
+            f"a privacy unit id is a {type(value).__name__} of shape {tuple(value.shape)}; give one scalar id "
+            f"per example (a user number or name), e.g. privacy_unit=ids.tolist() for a tensor of ids"
+        )
+    if isinstance(value, np.generic):
+        return value.item()
+    if type(value).__hash__ is object.__hash__ and not isinstance(value, type(None)):
+        raise TypeError(
+            f"privacy unit ids must compare by value (integers, strings, tuples), got a {type(value).__name__}, "
+            f"which hashes by identity: two equal ids would be two users. Pass the user's number or name"
+        )
+    return value
+
+
+def _distinct_by_sorting(values: list) -> int | None:
+    """The number of distinct values, by sorting (None unless all are numbers or all strings)."""
+    if all(isinstance(v, numbers.Real) for v in values):
+        ordered = sorted(values)
+    elif all(isinstance(v, str) for v in values):
+        ordered = sorted(values)
+    else:
+        return None
+    return sum(1 for i, v in enumerate(ordered) if i == 0 or v != ordered[i - 1])
 
 
 class UnitSampler(_CyclicSampler):

@@ -11,13 +11,15 @@ clipping engine (hooks, ghost norms) underneath. Nothing below this package impo
 from opake.torch.opacus_compat import PrivacyEngine
 from opake.torch.loader import PlanExhaustedError, PlannedDataLoader, UnplannedBatchError
 from opake.torch.losses import UnsupportedLossError, token_mean_per_example
-from opake.torch.optimizer import DirectStepError, DPOptimizer
+from opake.torch.guard import DirectStepError, ForeignOptimizerError
+from opake.torch.optimizer import DPOptimizer
 from opake.torch.private import PrivacyPlan, PrivateTraining, make_private, strategy_for_optimizer
 from opake.torch.validation import ModelValidationError, fix_model, validate_model
 
 __all__ = [
     "DPOptimizer",
     "DirectStepError",
+    "ForeignOptimizerError",
     "ModelValidationError",
     "PlanExhaustedError",
     "PlannedDataLoader",

@@ -35,14 +35,16 @@ from collections.abc import Callable
 
 import torch
 
+from opake.errors import OpakeError
+
 __all__ = ["PlanExhaustedError", "PlannedBatches", "PlannedDataLoader", "UnplannedBatchError"]
 
 
-class PlanExhaustedError(RuntimeError):
+class PlanExhaustedError(OpakeError, RuntimeError):
     """Every step the privacy plan priced has been taken (or served): a further one is not covered."""
 
 
-class UnplannedBatchError(RuntimeError):
+class UnplannedBatchError(OpakeError, RuntimeError):
     """``step()`` was asked to release gradients of something other than the plan's next batch."""
 
 

@@ -34,13 +34,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from opake.errors import OpakeError
+
 __all__ = ["PerExampleLoss", "UnsupportedLossError", "is_hugging_face_model", "per_example_classification_loss",
            "token_mean_per_example"]
 
 IGNORE_INDEX = -100
 
 
-class UnsupportedLossError(ValueError):
+class UnsupportedLossError(OpakeError, ValueError):
     """A loss whose per-example terms would depend on other examples of the batch."""
 
 

@@ -28,65 +28,26 @@ and that the examples clipped since ``zero_grad()`` are exactly that batch's; ot
 raises ``UnplannedBatchError`` and changes nothing. A planned batch can be empty (balls in bins
 draws bin sizes); its step may be taken without a backward pass and releases noise only.
 
-The wrapped optimizer's own ``step()`` would apply autograd's unclipped, un-noised ``.grad``:
-a loop that kept calling the optimizer it passed to ``make_private`` would train without
-privacy while the planned epsilon is printed. So ``DPOptimizer`` replaces that optimizer's
-``step`` with one that raises ``DirectStepError`` and changes nothing (``detach()`` puts it
-back), and steps it itself through what ``step`` was before. A learning-rate scheduler built on
-the optimizer before ``make_private`` (which reads its schedule) keeps working: its step
-counter is in the method captured here.
+Only the private optimizer applies a private module's gradients (``opake.torch.guard``): autograd's
+unclipped gradients are taken out of ``.grad`` as soon as backward accumulates them, and a step
+of any other optimizer holding these parameters is refused before anything moves. The optimizer
+given to ``make_private`` raises ``DirectStepError`` when stepped on its own (``DPOptimizer``
+steps it, through its own ``step``, so a learning-rate scheduler built on it before
+``make_private`` keeps counting); any other raises ``ForeignOptimizerError``. ``detach()`` gives
+the parameters back.
 """
 
 from __future__ import annotations
 
-import types
-
 import torch
 
+from opake.torch.guard import DirectStepError, ForeignOptimizerError, GradientGuard
 from opake.torch.loader import PlanExhaustedError, PlannedBatches
 from opake.torch.per_example.bookkeeping import sum_dtype
 from opake.torch.per_example.errors import ClipperUsageError
 from opake.types import clipped
 
-__all__ = ["DPOptimizer", "DirectStepError", "PlanExhaustedError"]
-
-
-class DirectStepError(RuntimeError):
-    """``step()`` of an optimizer given to ``make_private``, called directly instead of through
-    the ``DPOptimizer`` that wraps it (it would release gradients without clipping or noise)."""
-
-
-def _refuse_direct_steps(optimizer: torch.optim.Optimizer):
-    """Replace ``optimizer.step`` by a refusal; return (what to call to step it, how to undo).
-
-    The refusal is a method (a ``__func__`` of its own, as torch's schedulers expect when they
-    wrap ``step``) that carries the scheduler's marker when the replaced step had it.
-    """
-    had_own = "step" in vars(optimizer)
-    previous = optimizer.step
-    if getattr(getattr(previous, "__func__", None), "_opake_refuses", False):
-        previous = type(optimizer).step.__get__(optimizer)  # wrapped before: this object's own step
-
-    def refused(self, *args, **kwargs):
-        raise DirectStepError(
-            f"this {type(self).__name__} was given to make_private, and its own step() would apply "
-            f"autograd's unclipped, un-noised gradients: outside the privacy guarantee. Call step() on "
-            f"the optimizer make_private returned (private.optimizer; its zero_grad() and step() take "
-            f"this optimizer's place in the loop). Nothing was changed"
-        )
-
-    refused._opake_refuses = True
-    if hasattr(previous, "_wrapped_by_lr_sched"):
-        refused._wrapped_by_lr_sched = True  # the scheduler's wrapper is still called, by DPOptimizer
-    optimizer.step = types.MethodType(refused, optimizer)
-
-    def restore():
-        if had_own:
-            optimizer.step = previous
-        else:
-            vars(optimizer).pop("step", None)
-
-    return previous, restore
+__all__ = ["DPOptimizer", "DirectStepError", "ForeignOptimizerError", "PlanExhaustedError"]
 
 
 class DPOptimizer(torch.optim.Optimizer):
@@ -104,7 +65,7 @@ class DPOptimizer(torch.optim.Optimizer):
                  process_group=None, distributed: bool = False):
         # Not Optimizer.__init__: the wrapped optimizer owns the groups and the state.
         self.original_optimizer = optimizer
-        self._step_wrapped, self._restore_wrapped_step = _refuse_direct_steps(optimizer)
+        self.guard = GradientGuard(parameters, optimizer)
         self.clipper = clipper
         self.noise_fn = noise_fn
         self.noise_state = noise_state
@@ -121,6 +82,7 @@ class DPOptimizer(torch.optim.Optimizer):
         # saw, every parameter use is not known to go through a hooked layer: check it.
         self._coverage_checked = False
         clipper.track_coverage(True)
+        self.guard.collecting = True
 
     # -- what torch.optim users and schedulers read ------------------------------------------
 
@@ -157,8 +119,8 @@ class DPOptimizer(torch.optim.Optimizer):
         return f"DPOptimizer({self.original_optimizer!r})"
 
     def release_wrapped_optimizer(self) -> None:
-        """Give the wrapped optimizer its own ``step`` back (``make_private``'s ``detach()``)."""
-        self._restore_wrapped_step()
+        """Give the parameters back to every optimizer (``make_private``'s ``detach()``)."""
+        self.guard.remove()
 
     # -- the step -------------------------------------------------------------------------------
 
@@ -166,6 +128,7 @@ class DPOptimizer(torch.optim.Optimizer):
         """Clear the wrapped optimizer's gradients and start a new logical batch."""
         self.original_optimizer.zero_grad(set_to_none=set_to_none)
         self.clipper.reset()
+        self.guard.clear()
 
     @property
     def steps_taken(self) -> int:
@@ -207,11 +170,12 @@ class DPOptimizer(torch.optim.Optimizer):
             sums = {name: torch.zeros_like(p, dtype=sum_dtype(p.dtype)) for name, p in self.parameters.items()}
         self.last_step_examples = examples
         if not self._coverage_checked and examples:
-            self.clipper.check_coverage()
-            if self.last_step_examples:
-                self._coverage_checked = True
-                self.clipper.track_coverage(False)
-                self.clipper.skip_autograd_weight_gradients(True)
+            self.clipper.check_coverage(autograd_gradients=self.guard.collected)
+            self._coverage_checked = True
+            self.clipper.track_coverage(False)
+            self.clipper.skip_autograd_weight_gradients(True)
+            self.guard.collecting = False
+            self.guard.clear()
         if self.distributed:
             sums = _all_reduced(sums, self.process_group)
         gradients = clipped({name: sums[name] / self.normalization for name in self.parameters},
@@ -220,7 +184,8 @@ class DPOptimizer(torch.optim.Optimizer):
         for name, parameter in self.parameters.items():
             parameter.grad = noisy.pytree[name]
         self.clipper.reset()
-        return self._step_wrapped()
+        with self.guard.stepping():
+            return self.original_optimizer.step()
 
 
 def _all_reduced(sums: dict, process_group) -> dict:

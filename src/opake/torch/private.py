@@ -180,8 +180,8 @@ class PrivateTraining:
         return PlannedDataLoader(self._dataset, self.optimizer.batches, whole_run=True, **self._loader_options)
 
     def detach(self) -> None:
-        """Remove the per-example hooks (clipping, loss) from the module and give the optimizer its
-        own ``step`` back; the run cannot step after."""
+        """Remove the per-example hooks (clipping, loss) from the module and give its parameters back
+        to every optimizer (``.grad`` fills again, any optimizer may step); the run cannot step after."""
         self.optimizer.clipper.remove()
         self.optimizer.release_wrapped_optimizer()
         self._loss_hooks.remove()

@@ -17,12 +17,14 @@ import copy
 import torch
 from torch import nn
 
+from opake.errors import OpakeError
+
 __all__ = ["ModelValidationError", "fix_model", "validate_model"]
 
 _BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 
 
-class ModelValidationError(ValueError):
+class ModelValidationError(OpakeError, ValueError):
     """The model has layers whose gradients mix examples; the message names them and the fix."""
 
 

@@ -22,6 +22,8 @@ import numbers
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from opake.errors import OpakeError
+
 __all__ = ["ARGUMENT_RULES", "ArgumentRule", "UnsupportedTrainingArgumentError", "arguments_table",
            "check_arguments"]
 
@@ -29,7 +31,7 @@ TREATMENTS = ("pass", "map", "ignore", "refuse")
 FIELD, PROPERTY, CONSTRUCTOR = "TrainingArguments", "TrainingArguments property", "DPTrainer argument"
 
 
-class UnsupportedTrainingArgumentError(ValueError):
+class UnsupportedTrainingArgumentError(OpakeError, ValueError):
     """A TrainingArguments field (or Trainer argument) whose value DPTrainer cannot honour privately."""
 
 

@@ -19,9 +19,10 @@ from opake.accounting.gaussian import Gaussian
 from opake.accounting.process import check_delta, check_epsilon, check_noise_multiplier
 from opake.dpftrl.noise.priced import PricedNoise
 from opake.dpftrl.participation import Participation
+from opake.errors import OpakeError
 
 
-class UnboundMechanismError(ValueError):
+class UnboundMechanismError(OpakeError, ValueError):
     """An mf_gaussian without a participation context was asked for a privacy value."""
 
 

@@ -39,6 +39,7 @@ from opake.accounting.process import certified_epsilon, check_delta, check_epsil
 from opake.dpftrl.accounting.gaussian import MFGaussian
 from opake.dpftrl.noise.priced import PricedNoise
 from opake.dpftrl.participation import Participation
+from opake.errors import OpakeError
 
 BLT_ADVICE = (
     "Poisson subsampling amplification is not valid for a BLT strategy (its C is not banded); "
@@ -50,7 +51,7 @@ BLT_ADVICE = (
 DEFAULT_DISCRETIZATION = 1e-4
 
 
-class UnsupportedAmplificationError(ValueError):
+class UnsupportedAmplificationError(OpakeError, ValueError):
     """The strategy cannot be amplified this way; the message says what to use instead."""
 
 

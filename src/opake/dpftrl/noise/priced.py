@@ -15,8 +15,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from opake.errors import OpakeError
 
-class AccountingMismatchError(ValueError):
+
+class AccountingMismatchError(OpakeError, ValueError):
     """The accountant priced other noise than the noise stage runs; the message lists what differs."""
 
 

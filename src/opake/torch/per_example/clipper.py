@@ -281,7 +281,7 @@ class PerExampleClipper:
         per parameter) so that :meth:`check_coverage` can compare them with ``.grad``."""
         self._tracking_unclipped = bool(enabled)
 
-    def check_coverage(self, rtol: float | None = None) -> None:
+    def check_coverage(self, rtol: float | None = None, autograd_gradients: dict | None = None) -> None:
         """Raise unless autograd's ``.grad`` equals the sum the hooks saw, for every parameter.
 
         A trainable parameter used outside the forward of the layer holding it (as in
@@ -292,7 +292,8 @@ class PerExampleClipper:
         ``coverage_tolerance`` of the lowest precision the hooked calls computed in (their
         parameters' dtype, or autocast's): 1e-3 in float32, 3.1e-2 in bfloat16. Needs
         ``track_coverage()`` before the backward passes and ``.grad`` zeroed at the start of the
-        logical batch.
+        logical batch. ``autograd_gradients`` (name -> tensor) are autograd's gradients when they
+        were taken out of ``.grad`` (``opake.torch.guard``); by default ``.grad`` is read.
         """
         self._close_passes(only_received=False)
         if not self._tracking_unclipped or self._unclipped is None:
@@ -301,7 +302,8 @@ class PerExampleClipper:
             rtol = coverage_tolerance(lowest_precision(self._precisions))
         pairs = {}
         for name, param in self._plan.trainable.items():
-            seen, actual = self._unclipped.get(name), param.grad
+            seen = self._unclipped.get(name)
+            actual = param.grad if autograd_gradients is None else autograd_gradients.get(name)
             if seen is None and actual is None:
                 continue
             seen = torch.zeros_like(param, dtype=torch.float64) if seen is None else seen.to(torch.float64)

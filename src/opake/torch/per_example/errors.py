@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from opake.dpftrl.clipping import NonFiniteGradientError
+from opake.errors import OpakeError
 
 __all__ = [
     "BatchDimensionError", "ClipperUsageError", "FallbackWarning", "NonFiniteGradientError", "UnhookedUseError",
@@ -10,19 +11,19 @@ __all__ = [
 ]
 
 
-class UnsupportedModuleError(ValueError):
+class UnsupportedModuleError(OpakeError, ValueError):
     """A module of the model cannot be clipped per example (it mixes examples, or no rule fits)."""
 
 
-class ClipperUsageError(RuntimeError):
+class ClipperUsageError(OpakeError, RuntimeError):
     """The clipper was used out of order (no backward pass, a layer called outside the model)."""
 
 
-class BatchDimensionError(RuntimeError):
+class BatchDimensionError(OpakeError, RuntimeError):
     """A hooked layer saw a leading dimension other than the batch size of the forward pass."""
 
 
-class UnhookedUseError(RuntimeError):
+class UnhookedUseError(OpakeError, RuntimeError):
     """A trainable parameter got gradient from a use the per-example hooks did not see."""
 
 

@@ -15,15 +15,17 @@ import hashlib
 import torch
 import torch.distributed as dist
 
+from opake.errors import OpakeError
+
 __all__ = ["ProcessGroupError", "RankDisagreementError", "check_agreement", "fingerprint_components",
            "group_rank_and_size"]
 
 
-class ProcessGroupError(RuntimeError):
+class ProcessGroupError(OpakeError, RuntimeError):
     """torch.distributed is unavailable or no process group was initialized."""
 
 
-class RankDisagreementError(RuntimeError):
+class RankDisagreementError(OpakeError, RuntimeError):
     """Ranks were given different noise configurations, steps or scales."""
 
 

@@ -26,6 +26,7 @@ from opake.dpftrl.noise.engine.correlated_noise import check_dense_gradient
 from opake.dpftrl.noise.engine.layout import Layout, path_text
 from opake.dpftrl.noise.engine.state import check_state_for, NoiseState
 from opake.dpftrl.noise.priced import check_noise_priced
+from opake.errors import OpakeError
 from opake.random import RngKey
 from opake.types import ClippedPytree
 
@@ -34,7 +35,7 @@ __all__ = ["DistributedCheckpointError", "PieceStage"]
 _PREFIX = "distributed"
 
 
-class DistributedCheckpointError(ValueError):
+class DistributedCheckpointError(OpakeError, ValueError):
     """A checkpoint from another world size, rank or ownership mode."""
 
 

@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 import torch
 
 from opake.dpftrl.noise.engine.streaming import inverse_from_description
+from opake.errors import OpakeError
 from opake.random import RngKey
 
 __all__ = [
@@ -89,19 +90,19 @@ _NO_IMPLICIT_COPY = (
 )
 
 
-class RetiredStateError(RuntimeError):
+class RetiredStateError(OpakeError, RuntimeError):
     """A noise state was used after a ``noise_fn`` call advanced its buffers."""
 
 
-class CorruptedStateError(RuntimeError):
+class CorruptedStateError(OpakeError, RuntimeError):
     """The buffers were left half-updated by an interrupted ``noise_fn`` call."""
 
 
-class NoiseHorizonError(RuntimeError):
+class NoiseHorizonError(OpakeError, RuntimeError):
     """``noise_fn`` was asked for a step beyond the ``n_steps`` the mechanism was built for."""
 
 
-class CheckpointIntegrityError(ValueError):
+class CheckpointIntegrityError(OpakeError, ValueError):
     """A noise-state checkpoint whose contents do not match its digest, or with non-finite buffers."""
 
 
