@@ -66,7 +66,7 @@ CONTEXTS = [
     ("n=5000 b=100 k=5 mean", 5_000, 100, 5, "mean"),
 ]
 
-# Optimal Toeplitz sqrt(max loss) = sum_{k<n} c_k^2 (docs: MATH.md section 5), for the cross-check.
+# Optimal Toeplitz sqrt(max loss) = sum_{k<n} c_k^2 (docs/math.md section 5), for the cross-check.
 OPTIMAL_TABLE = {
     100: 2.531352, 1_000: 3.265003, 2_000: 3.485678, 10_000: 3.998010,
     100_000: 4.730953, 1_000_000: 5.463889, 10_000_000: 6.196825,
@@ -97,7 +97,7 @@ def optimal_toeplitz_sqrt_max_loss(ns) -> dict[int, float]:
 
 
 def check_optimal_table(values: dict[int, float]) -> list[str]:
-    """Mismatches between the computed optimum and the MATH.md table (6 decimals)."""
+    """Mismatches between the computed optimum and the docs/math.md table (6 decimals)."""
     problems = []
     for n, ref in OPTIMAL_TABLE.items():
         if n in values and abs(values[n] - ref) > 1.5e-6:
@@ -539,7 +539,7 @@ def main(argv=None) -> int:
     for problem in problems:
         print("WARNING:", problem)
     if not problems:
-        print(f"optimal Toeplitz values match the MATH.md table ({len(OPTIMAL_TABLE)} values, 6 decimals)")
+        print(f"optimal Toeplitz values match the docs/math.md table ({len(OPTIMAL_TABLE)} values, 6 decimals)")
 
     sched_rows = schedule_rows(args.schedule_sizes) if args.schedule_sizes else []
     if sched_rows:

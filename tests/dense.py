@@ -1,6 +1,6 @@
 """Dense and brute-force float64 oracles for the Toeplitz / BLT mathematics.
 
-Everything here is written from the definitions (docs: MATH.md sections 1, 3 and 4), never from
+Everything here is written from the definitions (docs/math.md sections 1, 3 and 4), never from
 opake's implementation, and never calls opake. The routines are deliberately naive: they build
 n x n matrices, solve triangular systems and enumerate participation patterns, so they are only
 usable for small n (dense: n <= ~100, brute-force sensitivity: n <= ~14). The few O(n) helpers at

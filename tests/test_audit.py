@@ -5,7 +5,7 @@ clip bound on the worst-case participation pattern u = {0, b, ..., (k'-1) b} of 
 (n_steps, min_sep, max_participations), and tests "canary in" against "canary out" with the
 Neyman-Pearson statistic T = <C y, C u> / (||C u|| sigma) on the released sequence y. The claim
 under audit is that the run is exactly a Gaussian mechanism with mu = S / sigma = 1 / sigma_eff
-(MATH.md section 6), which is what the accountant prices. See tests/audit_support.py for why one
+(docs/math.md section 6), which is what the accountant prices. See tests/audit_support.py for why one
 engine run gives N independent samples per hypothesis (one canary per model coordinate), the
 exact confidence interval for mu and the Clopper-Pearson epsilon lower bound.
 
@@ -36,7 +36,7 @@ from dense import blt_coefs, brute_force_sensitivity_squared, lower_toeplitz
 from opake.dpftrl.noise import blt_strategy, identity_strategy
 
 MU = 1.0  # sigma_eff = 1
-EPSILON_AT_MU_1 = 4.377178  # MATH.md section 6 check value, delta = 1e-5
+EPSILON_AT_MU_1 = 4.377178  # docs/math.md section 6 check value, delta = 1e-5
 
 CASES = {
     # name: (strategy, n_steps, min_sep, max_participations, seed)

@@ -70,7 +70,7 @@ def separated_params(draw, max_buffers=4):
 
 
 def _interlaced(num_buffers: int, first_gap_exp: float, last_gap_exp: float) -> blt.BLTParams:
-    """A realistic optimizer-like BLT (MATH.md sec. 5 barrier-free construction), test data only.
+    """A realistic optimizer-like BLT (docs/math.md sec. 5 barrier-free construction), test data only.
 
     2B values x in (0, 1) with 1 - x log-spaced from 10^-first to 10^-last, read alternately
     as theta_hat_1 < theta_1 < theta_hat_2 < ...; omega_i = prod_j (theta_i - theta_hat_j) /
@@ -215,7 +215,7 @@ def test_inverse_params_give_the_dense_inverse(params, n):
 
 @given(separated_params())
 def test_inverse_structure_for_positive_omega(params):
-    # MATH.md sec. 2 (Inv25): real decays interlacing with theta, all omega_hat < 0,
+    # docs/math.md sec. 2 (Inv25): real decays interlacing with theta, all omega_hat < 0,
     # theta_hat > 0 exactly when P = sum(omega / theta) < 1.
     inv = blt.inverse(params)
     theta = np.sort(params.theta)
@@ -432,7 +432,7 @@ def test_errors_of_identity_blt(n):
 
 
 # ---------------------------------------------------------------------------------------------
-# MATH.md sec. 1: the seed page's convention vs ours
+# docs/math.md sec. 1: the seed page's convention vs ours
 
 
 def _seed_finite(params, n):
@@ -473,10 +473,10 @@ def test_seed_infinite_formula_overstates_our_limit_by_sum_w_squared(params):
 
 
 # ---------------------------------------------------------------------------------------------
-# MATH.md sec. 5: optimal Toeplitz reference values and the lower bound they give
+# docs/math.md sec. 5: optimal Toeplitz reference values and the lower bound they give
 
 
-OPTIMAL_TOEPLITZ_TABLE = {  # MATH.md sec. 5, sqrt(max loss) rounded to 6 decimals
+OPTIMAL_TOEPLITZ_TABLE = {  # docs/math.md sec. 5, sqrt(max loss) rounded to 6 decimals
     100: 2.531352, 1000: 3.265003, 2000: 3.485678, 10_000: 3.998010,
     100_000: 4.730953, 1_000_000: 5.463889, 10_000_000: 6.196825,
 }

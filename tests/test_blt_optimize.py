@@ -66,7 +66,7 @@ def test_parameters_satisfy_preconditions_and_are_float32_exact():
 
 @pytest.mark.parametrize("n", [100, 1000, 2000])
 def test_single_participation_is_near_optimal_toeplitz(n):
-    # No Toeplitz strategy beats sum_k c_k^2 with c_k = binom(2k, k) / 4^k (MATH.md section 5).
+    # No Toeplitz strategy beats sum_k c_k^2 with c_k = binom(2k, k) / 4^k (docs/math.md section 5).
     mech = blt_strategy(max_buffers=10).resolve(n, 1, 1)
     optimal = dense.optimal_toeplitz_sqrt_max_loss(n)
     ratio = math.sqrt(mech.max_loss) / optimal
@@ -175,7 +175,7 @@ def test_multi_participation_finds_the_separated_optimum():
 @pytest.mark.parametrize(
     "context, bound",
     [
-        ((10_000, 1, 1), 1.00005 * 3.998010**2),  # optimal Toeplitz (MATH.md section 5)
+        ((10_000, 1, 1), 1.00005 * 3.998010**2),  # optimal Toeplitz (docs/math.md section 5)
         ((5_000, 100, 5), 154.1836),  # 154.18351 before the separated start
         ((2_000, 100, None), 725.1207),  # 725.12066 before, 725.12038 with it
     ],

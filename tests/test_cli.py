@@ -21,7 +21,7 @@ def test_plan_calibrates_every_strategy_to_the_budget(capsys):
                         "--epsilon", "2.0", "--delta", "1e-6", "--max-buffers", "3")
     rows = {r["strategy"]: r for r in report["strategies"]}
     assert set(rows) >= {"BLT", "DP-SGD"}
-    # The whole run is one Gaussian with noise multiplier sigma / S (MATH.md section 6), so at
+    # The whole run is one Gaussian with noise multiplier sigma / S (docs/math.md section 6), so at
     # equal (epsilon, delta) sigma / S is the same for every strategy and equals the Gaussian
     # mechanism's noise multiplier, here from dp_accounting (an independent implementation).
     sigma_eff = dp_accounting.get_sigma_gaussian(2.0, 1e-6)

@@ -19,7 +19,7 @@ from opake.dpftrl.participation import Participation
 
 
 def dense_coefficients(theta, omega, n):
-    """c_0 = 1, c_k = sum_i omega_i theta_i^(k-1) (MATH.md section 1), written out here."""
+    """c_0 = 1, c_k = sum_i omega_i theta_i^(k-1) (docs/math.md section 1), written out here."""
     c = np.zeros(n)
     c[0] = 1.0
     for k in range(1, n):

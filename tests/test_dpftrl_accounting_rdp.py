@@ -1,7 +1,7 @@
 """method="rdp": the rigorous amplified balls-in-bins bound through Renyi divergences.
 
 References written here: brute-force enumeration of all b^alpha bin tuples (exact remove-direction
-moments), the reference values of MATH.md section 6, 2-D quadrature of the add direction for
+moments), the reference values of docs/math.md section 6, 2-D quadrature of the add direction for
 C = I, the Gaussian mechanism's own RDP alpha S^2 / (2 sigma^2), and the Monte Carlo estimate.
 """
 

@@ -33,6 +33,13 @@ class BandedMechanism:
     omega: np.ndarray = field(default_factory=lambda: np.zeros(0))
     fingerprint: str = "banded-test"
 
+    def streaming_description(self) -> dict:
+        return {"kind": "banded", "coefs": list(self.coefs)}
+
+    def noise_row_norms_squared(self) -> np.ndarray:
+        inverse = np.linalg.inv(_dense_banded(self.coefs, self.participation.n_steps))
+        return (inverse ** 2).sum(axis=1)
+
 
 def _dense_banded(coefs, n):
     return np.array([[coefs[t - s] if 0 <= t - s < len(coefs) else 0.0 for s in range(n)] for t in range(n)])

@@ -1,6 +1,6 @@
 """Helpers shared by the noise-engine tests, and checks of the helpers themselves.
 
-The dense oracle here is written from the definition of a BLT (MATH.md section 1: c_0 = 1,
+The dense oracle here is written from the definition of a BLT (docs/math.md section 1: c_0 = 1,
 c_k = sum_i omega_i theta_i^(k-1)) and a dense triangular solve; it never calls opake's math.
 Mechanisms are built by hand (``HandRecipe``) so the engine tests do not depend on the BLT
 optimizer; parameter values are chosen exactly representable in float32 (omega and 1 - theta

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
 
-from opake.torch.losses import PerExampleLoss, UnsupportedLossError, token_mean_per_example  # noqa: E402
+from opake.torch.losses import PerExampleLoss, UnsupportedLossError, loss_form, token_mean_per_example  # noqa: E402
 from opake.torch.per_example import PerExampleClipper  # noqa: E402
 
 VOCAB, LENGTH = 31, 12
@@ -71,7 +71,7 @@ def test_installed_loss_is_the_mean_of_per_example_token_means_and_ignores_num_i
                                        batch["labels"]).mean()
     hooks = PerExampleLoss(model, "mean")
     try:
-        assert "GPT2LMHeadModel" in hooks.description
+        assert "GPT2LMHeadModel" in loss_form(model, "mean")
         loss = model(**batch, num_items_in_batch=torch.tensor(3)).loss
     finally:
         hooks.remove()

@@ -272,7 +272,8 @@ def _make(model=None, **overrides):
     (dict(target_delta=None), TypeError, "needs target_delta"),
     (dict(noise_multiplier=1.0), TypeError, "exactly one of target_epsilon"),
     (dict(max_grad_norm=0.0), ValueError, "max_grad_norm"),
-    (dict(epochs=0), ValueError, "epochs must be a positive integer"),
+    (dict(epochs=0), ValueError, "epochs must be >= 1, got 0"),
+    (dict(epochs=1.5), TypeError, "epochs must be an integer"),
 ])
 def test_bad_plans_are_refused_before_training(overrides, error, pattern):
     with pytest.raises(error, match=pattern):
@@ -427,11 +428,11 @@ def test_the_unproven_amplification_warning_is_shown_once_per_plan():
 
 
 def test_an_identical_plan_reuses_the_calibrated_noise(monkeypatch):
-    from opake.torch import private as private_module
+    from opake.torch import planning
 
     first = _make(batch_size=4, epochs=1, strategy=blt_strategy(max_buffers=3))
     calls = []
-    monkeypatch.setattr(private_module.acc, "calibrate", lambda *a, **k: calls.append(a) or 1 / 0)
+    monkeypatch.setattr(planning.acc, "calibrate", lambda *a, **k: calls.append(a) or 1 / 0)
     second = _make(batch_size=4, epochs=1, strategy=blt_strategy(max_buffers=3))  # an equal recipe
     assert calls == [] and second.noise_multiplier == first.noise_multiplier
     assert second.epsilon == first.epsilon <= 3.0

@@ -19,3 +19,14 @@ def positive_finite(name: str, value, advice: str = "") -> float:
     if not (math.isfinite(number) and number > 0.0):
         raise ValueError(f"{name} must be finite and > 0, got {value!r}" + (f"; {advice}" if advice else ""))
     return number
+
+
+def integer_at_least(name: str, value, minimum: int = 1) -> int:
+    """``value`` as an int >= ``minimum``: a TypeError for a non-integer (bools included), a
+    ValueError naming ``name`` for one below ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
+    value = int(value)
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value

@@ -455,8 +455,5 @@ def _check_error(error) -> str:
 
 
 def _state_floats(mech) -> int:
-    """Noise-state floats per model parameter: one per buffer (BLT) or per band (BandMF)."""
-    coefs = getattr(mech, "coefs", None)
-    if coefs is not None:
-        return max(0, len(coefs) - 1)
-    return mech.num_buffers
+    """Noise-state floats per model parameter: one per buffer (BLT) or per band but one (BandMF)."""
+    return mech.state_rows

@@ -76,11 +76,14 @@ class NoisedPytree:
     ``pytree`` has the structure, shapes, dtypes and device of the noise engine's
     ``grad_template`` (usually the parameters: bfloat16 parameters get bfloat16 noisy gradients
     even when their clipped sums came in float32); ``step`` is the 0-based training step whose
-    noise was added.
+    noise was added; ``noise_variance`` the variance of every coordinate of that noise,
+    (noise_multiplier * l2_bound / normalization)^2 ||row step of C^{-1}||^2 (what a DP-aware
+    optimizer corrects its second moments by; None when the stage does not state it).
     """
 
     pytree: Any
     step: int
+    noise_variance: float | None = None
 
 
 def clipped(pytree, l2_bound: float, normalization: float = 1.0) -> ClippedPytree:

@@ -147,7 +147,7 @@ def train_with_canaries(recipe: TrainingRecipe, canaries, included, key: RngKey,
     private = make_private(module=audited, optimizer=optimizer, dataset=dataset, batch_size=recipe.batch_size,
                            epochs=recipe.epochs, max_grad_norm=recipe.max_grad_norm, target_delta=recipe.target_delta,
                            key=key.fold_in("opake.audit.run"), loss_reduction="mean", **budget, **recipe.options)
-    mechanism = private.optimizer.noise_fn.mechanism
+    mechanism = private.run.noise_fn.mechanism
     if noise_scale != 1.0:
         _replace_noise(private, noise_scale, key)
     participation = private.plan.participation
@@ -183,7 +183,7 @@ def train_with_canaries(recipe: TrainingRecipe, canaries, included, key: RngKey,
     return CanaryRun(
         scores=_frozen(scores), included=_frozen(included.copy()), epsilon=float(private.epsilon),
         delta=float(private.delta), noise_multiplier=float(private.noise_multiplier),
-        engine_noise_multiplier=float(private.optimizer.noise_fn.noise_multiplier), n_steps=n_steps, period=period,
+        engine_noise_multiplier=float(private.run.noise_fn.noise_multiplier), n_steps=n_steps, period=period,
         participations=_frozen(participations), first_steps=_frozen(first_steps),
         bin_statistics=None if statistics is None else _frozen(statistics), plan=private.plan,
         seconds=time.perf_counter() - start,
@@ -203,7 +203,7 @@ def _count_canaries(slot, canaries, step, participations, first_steps) -> None:
 def _replace_noise(private, noise_scale: float, key: RngKey) -> None:
     """The control of the module docstring: the same mechanism at noise_scale * sigma, claim unchanged."""
     optimizer = private.optimizer
-    if optimizer.noise_state.step != 0 or getattr(optimizer, "distributed", False):
+    if optimizer.noise_state.step != 0 or optimizer.reduction.world_size > 1:
         raise RuntimeError("the noise_scale control replaces the engine of a fresh single-process run only")
     participation = private.plan.participation
     template = {name: p.detach() for name, p in optimizer.parameters.items()}
@@ -212,9 +212,9 @@ def _replace_noise(private, noise_scale: float, key: RngKey) -> None:
         max_participations=participation.max_participations,
         noise_multiplier=private.noise_multiplier * noise_scale, key=key.fold_in("opake.audit.control"),
     )
-    if noise_fn.mechanism.fingerprint != optimizer.noise_fn.mechanism.fingerprint:
+    if noise_fn.mechanism.fingerprint != private.run.noise_fn.mechanism.fingerprint:
         raise RuntimeError("the control's engine resolved another mechanism than the run's")
-    optimizer.noise_fn, optimizer.noise_state = noise_fn, noise_state
+    private.run.replace_noise(noise_fn, noise_state)
 
 
 class _ReleasedScore:

@@ -87,7 +87,8 @@ from opake._checks import positive_finite
 from opake.errors import OpakeError
 from opake.types import ClippedPytree
 
-__all__ = ["ClipState", "LossShapeError", "NonFiniteGradientError", "clip_factors", "clipped_grad"]
+__all__ = ["ClipState", "FlatClipping", "LossShapeError", "NonFiniteGradientError", "clip_factors", "clipped_grad",
+           "clipping_rule"]
 
 NONFINITE_MODES = ("raise", "zero")
 _MAX_NAMED_EXAMPLES = 5
@@ -276,6 +277,37 @@ def _nonfinite_message(flat_leaves, paths, bad: list[int], batch_size: int) -> s
     )
 
 
+@dataclass(frozen=True)
+class FlatClipping:
+    """The clipping rule: each unit's gradient g scaled by ``min(1, max_grad_norm / ||g||)``, the
+    norm taken over all parameters together.
+
+    A clipping rule is a value with two members: ``factors(norms)``, the per-unit scale factors
+    (and which units were scaled down), and ``sensitivity``, the bound on the L2 norm of one
+    unit's scaled gradient that the factors guarantee, which the noise is scaled to and every
+    accountant prices (``ClippedPytree.l2_bound``). Here that bound is ``max_grad_norm``.
+    """
+
+    max_grad_norm: float
+
+    def __post_init__(self):
+        object.__setattr__(self, "max_grad_norm", positive_finite("max_grad_norm", self.max_grad_norm))
+
+    @property
+    def sensitivity(self) -> float:
+        return self.max_grad_norm
+
+    def factors(self, norms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return clip_factors(norms, self.max_grad_norm)
+
+
+def clipping_rule(rule, name: str = "max_grad_norm"):
+    """A clipping rule from a bound (a number: ``FlatClipping``) or a rule value (returned as is)."""
+    if hasattr(rule, "factors") and hasattr(rule, "sensitivity"):
+        return rule
+    return FlatClipping(positive_finite(name, rule))
+
+
 def clip_factors(norms: torch.Tensor, bound: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-example scale factors ``min(1, bound / norm)`` and the mask of clipped examples.
 
@@ -322,7 +354,8 @@ def clipped_grad(
         raise TypeError(
             f"loss_fn must be callable as loss_fn(params, *batch), got {type(loss_fn).__name__}"
         )
-    clipping_norm = positive_finite("clipping_norm", clipping_norm)
+    rule = clipping_rule(clipping_norm, "clipping_norm")
+    clipping_norm = rule.sensitivity
     normalization = 1.0 if normalize_by is None else positive_finite("normalize_by", normalize_by)
     batch_argnums = _check_batch_argnums(batch_argnums)
     if nonfinite not in NONFINITE_MODES:
@@ -393,7 +426,7 @@ def clipped_grad(
         else:
             bad = []
 
-        scale, clipped = clip_factors(torch.where(finite, norms, torch.zeros_like(norms)), clipping_norm)
+        scale, clipped = rule.factors(torch.where(finite, norms, torch.zeros_like(norms)))
         scale = torch.where(finite, scale, torch.zeros_like(scale)) / normalization  # 0: a dropped example
         sums = [_weighted_sum(flat, scale).reshape(leaf.shape[1:]) for flat, leaf in zip(flat_leaves, leaves)]
         num_clipped = int(clipped.sum())

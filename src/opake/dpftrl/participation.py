@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass
+
+from opake._checks import integer_at_least
 
 
 def _positive_int(name: str, value, upper: int | None = None, upper_name: str = "") -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
-    value = int(value)
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
+    value = integer_at_least(name, value)
     if upper is not None and value > upper:
         raise ValueError(f"{name} must be <= {upper_name} ({upper}), got {value}")
     return value

@@ -58,6 +58,7 @@ import optree
 import torch
 import torch.utils.data
 
+from opake._checks import integer_at_least
 from opake.dpftrl.participation import Participation
 from opake.random import RngKey
 
@@ -86,15 +87,6 @@ def __getattr__(name: str):
 
 # ---------------------------------------------------------------------------------------------
 # Validation
-
-
-def _integer(name: str, value, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
-    value = int(value)
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
 
 
 def _check_key(value) -> RngKey:
@@ -199,7 +191,7 @@ class _CyclicSampler:
 
     def steps(self, n_steps: int) -> Iterator[torch.Tensor]:
         """Iterate over the batches of steps ``0 .. n_steps - 1`` (each ``batch(step)``)."""
-        n_steps = _integer("n_steps", n_steps, 1)
+        n_steps = integer_at_least("n_steps", n_steps, 1)
         return (self.batch(step) for step in range(n_steps))
 
     def participation(self, n_steps: int) -> Participation:
@@ -208,7 +200,7 @@ class _CyclicSampler:
         ``max_participations = ceil(n_steps / period)``: block ``t mod period`` is served at
         most that many times. Raises ValueError unless 1 <= min_sep <= n_steps.
         """
-        n_steps = _integer("n_steps", n_steps, 1)
+        n_steps = integer_at_least("n_steps", n_steps, 1)
         min_sep = self._min_sep()
         if min_sep > n_steps:
             raise ValueError(
@@ -241,24 +233,20 @@ class _CyclicSampler:
         ``batch_size``, ``shuffle``, ``sampler`` and ``drop_last`` are refused: they would replace
         the batches whose participation the accountant priced.
         """
-        if len(dataset) != self.num_examples:
-            raise ValueError(
-                f"the dataset has {len(dataset)} examples but this {type(self).__name__} was built for "
-                f"num_examples={self.num_examples}; build the sampler with num_examples=len(dataset)"
-            )
-        conflicting = sorted({"batch_size", "shuffle", "sampler", "batch_sampler", "drop_last"} & set(loader_options))
-        if conflicting:
-            raise TypeError(
-                f"data_loader() does not take {conflicting}: the batches come from this sampler, whose "
-                f"participation the accountant priced; size them with the sampler (num_bins, num_groups)"
-            )
-        collate = loader_options.pop("collate_fn", None) or collate_allowing_empty(dataset[0])
-        return torch.utils.data.DataLoader(
-            dataset, batch_sampler=self.batch_sampler(n_steps, start_step, part), collate_fn=collate, **loader_options)
+        options = sampled_loader_options(self, dataset, loader_options, "data_loader()",
+                                         "size them with the sampler (num_bins, num_groups)")
+        return torch.utils.data.DataLoader(dataset, batch_sampler=self.batch_sampler(n_steps, start_step, part),
+                                           **options)
+
+    def part_of_batch(self, step: int, part: tuple[int, int]) -> torch.Tensor:
+        """Rank ``index``'s part of batch ``step`` among ``count`` ranks (``part = (index, count)``):
+        rows ``index, index + count, ...``; the parts of all ranks add up to the batch."""
+        index, count = part
+        return self.batch(step)[index::count]
 
     @staticmethod
     def _step(step) -> int:
-        return _integer("step", step, 0)
+        return integer_at_least("step", step, 0)
 
 
 class StepBatches(torch.utils.data.Sampler):
@@ -269,21 +257,42 @@ class StepBatches(torch.utils.data.Sampler):
     def __init__(self, sampler: _CyclicSampler, n_steps: int, start_step: int = 0, part: tuple[int, int] | None = None):
         super().__init__()
         self.sampler = sampler
-        self.n_steps = _integer("n_steps", n_steps, 1)
-        self.start_step = _integer("start_step", start_step, 0)
+        self.n_steps = integer_at_least("n_steps", n_steps, 1)
+        self.start_step = integer_at_least("start_step", start_step, 0)
         _check_at_most("start_step", self.start_step, "n_steps", self.n_steps, "start at a step of the run")
         index, count = (0, 1) if part is None else part
-        count = _integer("part count", count, 1)
-        index = _integer("part index", index, 0)
+        count = integer_at_least("part count", count, 1)
+        index = integer_at_least("part index", index, 0)
         _check_at_most("part index", index, "part count - 1", count - 1, "parts are numbered from 0")
         self.part = (index, count)
 
     def __iter__(self) -> Iterator[list[int]]:
-        index, count = self.part
-        return (self.sampler.batch(step)[index::count].tolist() for step in range(self.start_step, self.n_steps))
+        return (self.sampler.part_of_batch(step, self.part).tolist() for step in range(self.start_step, self.n_steps))
 
     def __len__(self) -> int:
         return self.n_steps - self.start_step
+
+
+def sampled_loader_options(sampler, dataset, loader_options: dict, caller: str, advice: str) -> dict:
+    """The DataLoader options for ``sampler``'s batches over ``dataset``: the caller's, refusing the
+    ones that would replace the batches whose participation the accountant priced, with a
+    ``collate_fn`` that collates empty batches unless one is given. ``caller`` and ``advice``
+    name the call and how its batches are sized, for the refusal."""
+    if len(dataset) != sampler.num_examples:
+        raise ValueError(
+            f"the dataset has {len(dataset)} examples but the {type(sampler).__name__} was built for "
+            f"num_examples={sampler.num_examples}; build it with num_examples=len(dataset)"
+        )
+    conflicting = sorted({"batch_size", "shuffle", "sampler", "batch_sampler", "drop_last"} & set(loader_options))
+    if conflicting:
+        raise TypeError(
+            f"{caller} does not take {conflicting}: the batches come from the plan's sampler, whose "
+            f"participation the accountant priced; {advice}"
+        )
+    options = dict(loader_options)
+    if options.get("collate_fn") is None:
+        options["collate_fn"] = collate_allowing_empty(dataset[0])
+    return options
 
 
 def collate_allowing_empty(example):
@@ -346,8 +355,8 @@ class BallsInBinsSampler(_CyclicSampler):
     _offsets: np.ndarray = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
-        num_examples = _integer("num_examples", self.num_examples, 1)
-        num_bins = _integer("num_bins", self.num_bins, 1)
+        num_examples = integer_at_least("num_examples", self.num_examples, 1)
+        num_bins = integer_at_least("num_bins", self.num_bins, 1)
         _check_at_most("num_bins", num_bins, "num_examples", num_examples, "use at most one bin per example")
         key = _check_key(self.key)
         order, offsets = _grouped(_uniform_below(key, ("balls_in_bins", num_bins), num_examples, num_bins), num_bins)
@@ -365,6 +374,14 @@ class BallsInBinsSampler(_CyclicSampler):
     def expected_batch_size(self) -> float:
         """num_examples / num_bins: the constant ``normalize_by`` for ``clipped_grad``."""
         return self.num_examples / self.num_bins
+
+    def accountant(self, strategy, n_steps: int, method=None):
+        """noise multiplier -> the privacy process of ``strategy`` on these bins for ``n_steps``
+        steps (``opake.dpftrl.accounting.balls_in_bins``); ``method`` None is the tightest bound
+        proven for adaptively chosen gradients, else "rigorous", "amplified" or "allocation_pld"."""
+        from opake.dpftrl.accounting.accountant import balls_in_bins_accountant
+
+        return balls_in_bins_accountant(strategy, self.num_bins, n_steps, method)
 
     def batch(self, step: int) -> torch.Tensor:
         """Indices (int64, ascending) of the examples in bin ``step mod num_bins``."""
@@ -401,8 +418,8 @@ class CyclicPoissonSampler(_CyclicSampler):
     _offsets: np.ndarray = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
-        num_examples = _integer("num_examples", self.num_examples, 1)
-        num_groups = _integer("num_groups", self.num_groups, 1)
+        num_examples = integer_at_least("num_examples", self.num_examples, 1)
+        num_groups = integer_at_least("num_groups", self.num_groups, 1)
         _check_at_most("num_groups", num_groups, "num_examples", num_examples, "every group needs an example")
         rate = self.sample_rate
         if isinstance(rate, bool) or not isinstance(rate, numbers.Real):
@@ -416,6 +433,25 @@ class CyclicPoissonSampler(_CyclicSampler):
         for name, value in (("num_examples", num_examples), ("num_groups", num_groups),
                             ("sample_rate", rate), ("_order", order), ("_offsets", offsets)):
             object.__setattr__(self, name, value)
+
+    def accountant(self, strategy, n_steps: int, method=None):
+        """noise multiplier -> the privacy process of ``strategy`` on this sampling for ``n_steps``
+        steps: Band23 Thm 4 by PLD (``opake.dpftrl.accounting.poisson``; ``method`` None or "pld").
+        The strategy's bands must fit in the groups (a band wider than ``num_groups`` would let
+        one example's participations interact, which the theorem does not cover)."""
+        from opake.dpftrl.accounting.accountant import poisson_accountant
+        from opake.dpftrl.accounting.methods import AccountingMethod
+        from opake.dpftrl.accounting.poisson import UnsupportedAmplificationError, strategy_bands
+
+        if method is not None and AccountingMethod(method) is not AccountingMethod.POISSON_PLD:
+            raise ValueError(f"cyclic Poisson sampling is priced by method='pld' (Band23 Thm 4), got {method!r}")
+        bands = strategy_bands(strategy)
+        if bands > self.num_groups:
+            raise UnsupportedAmplificationError(
+                f"a strategy of {bands} bands on cyclic Poisson sampling with {self.num_groups} groups: Band23 Thm 4 "
+                f"needs at least as many groups as bands; build the sampler with num_groups={bands}"
+            )
+        return poisson_accountant(strategy, self.sample_rate, n_steps)
 
     @property
     def expected_batch_size(self) -> float:
@@ -590,6 +626,10 @@ class UnitSampler(_CyclicSampler):
         if name in ("num_bins", "num_groups", "sample_rate", "key"):
             return getattr(self.unit_sampler, name)
         raise AttributeError(name)
+
+    def accountant(self, strategy, n_steps: int, method=None):
+        """The unit sampler's accountant: units are priced as it prices examples."""
+        return self.unit_sampler.accountant(strategy, n_steps, method)
 
     def _period(self) -> int:
         return self.unit_sampler._period()

@@ -13,7 +13,8 @@ from opake.torch.loader import PlanExhaustedError, PlannedDataLoader, UnplannedB
 from opake.torch.losses import UnsupportedLossError, token_mean_per_example
 from opake.torch.guard import DirectStepError, ForeignOptimizerError
 from opake.torch.optimizer import DPOptimizer
-from opake.torch.private import PrivacyPlan, PrivateTraining, make_private, strategy_for_optimizer
+from opake.torch.planning import PrivacyPlan, plan_privacy, strategy_for_optimizer
+from opake.torch.private import PrivateTraining, make_private
 from opake.torch.validation import ModelValidationError, fix_model, validate_model
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "PrivateTraining",
     "fix_model",
     "make_private",
+    "plan_privacy",
     "UnplannedBatchError",
     "UnsupportedLossError",
     "strategy_for_optimizer",

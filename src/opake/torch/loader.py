@@ -6,7 +6,7 @@ here rather than priced wrongly:
 
 * **Another loader.** A ``transformers.Trainer`` or a second ``DataLoader`` serves shuffled
   fixed-size batches the accountant never priced. ``PlannedDataLoader`` records the step of
-  every batch it hands to the training loop (``PlannedBatches.served``); ``DPOptimizer.step()``
+  every batch it hands to the training loop (``PrivateRun.serve``); ``DPOptimizer.step()``
   then requires that the batch served last is its own step's batch.
 * **Fewer or merged steps.** Gradient accumulation over two loader batches before one step
   would release two planned batches as one. ``step()`` also requires that the examples clipped
@@ -17,21 +17,15 @@ here rather than priced wrongly:
 What this cannot see: a loop that takes batch t from the planned loader and then trains on a
 different batch of exactly the same size. The documented loops (``for batch in loader``) never do.
 
-Privacy units (``make_private(..., privacy_unit=...)``): the sampler is a ``UnitSampler`` and
-``units(step)`` gives the unit of every row of a batch. Serving a batch (``serve``) calls
-``on_serve(step)``, which hands those units to the clipper before the loop sees the batch, so
-that each unit's rows are clipped together.
-
 ``PlannedDataLoader`` is a ``torch.utils.data.DataLoader`` whose every pass (``iter``) serves the
 steps from the next untaken one to the end of its epoch, as PyTorch loops expect
 (``for epoch in range(E): for batch in loader``); ``whole_run=True`` serves every remaining step
 in one pass. An epoch is ``steps_per_epoch`` steps (the number of bins, or of steps a cyclic
-Poisson epoch takes).
+Poisson epoch takes). Which step is next, and which batch was served last, belong to the run
+(``opake.torch.run.PrivateRun``); this module only reads them.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 
@@ -49,11 +43,12 @@ class UnplannedBatchError(OpakeError, RuntimeError):
 
 
 class PlannedBatches:
-    """The plan's batches, which of them the loader served last, and the check of a step.
+    """The plan's batches as this rank sees them: which examples (and units) each step holds, the
+    steps a pass serves, and the check of a step. Holds no state of the run.
 
-    ``sampler`` is the run's ``BallsInBinsSampler`` or ``CyclicPoissonSampler``; ``part`` is
-    ``(rank, world_size)`` (this rank serves ``batch[rank::world_size]``); ``next_step`` returns
-    the next untaken step (the optimizer's noise-state step).
+    ``sampler`` is the run's ``BallsInBinsSampler`` or ``CyclicPoissonSampler`` (or a
+    ``UnitSampler`` over one); ``part`` is ``(rank, world_size)`` (this rank serves
+    ``sampler.part_of_batch(step, part)``).
     """
 
     def __init__(self, sampler, n_steps: int, steps_per_epoch: int, part: tuple[int, int] = (0, 1)):
@@ -61,9 +56,6 @@ class PlannedBatches:
         self.n_steps = int(n_steps)
         self.steps_per_epoch = int(steps_per_epoch)
         self.part = part
-        self.next_step: Callable[[], int] = lambda: 0
-        self.served: int | None = None  # the step whose batch a planned loader handed out last
-        self.on_serve: Callable[[int], None] | None = None  # called with the step as its batch is served
 
     @property
     def epochs(self) -> int:
@@ -71,26 +63,18 @@ class PlannedBatches:
 
     def indices(self, step: int) -> list[int]:
         """This rank's part of batch ``step`` (dataset indices)."""
-        index, count = self.part
-        return self.sampler.batch(step)[index::count].tolist()
+        return self.sampler.part_of_batch(step, self.part).tolist()
 
     def units(self, step: int) -> list[int] | None:
         """The privacy unit of each row of ``indices(step)``, or None when the unit is the example."""
-        units_of_batch = getattr(self.sampler, "units_of_batch", None)
+        units_of_batch = getattr(self.sampler, "units_of_batch", None)  # only a UnitSampler has units
         if units_of_batch is None:
             return None
         index, count = self.part
         return units_of_batch(step)[index::count].tolist()
 
-    def serve(self, step: int) -> None:
-        """Record that batch ``step`` is handed to the training loop now (``on_serve`` first)."""
-        if self.on_serve is not None:
-            self.on_serve(step)
-        self.served = step
-
-    def pass_range(self, whole_run: bool) -> range:
-        """The steps a pass started now serves: to the end of the next step's epoch, or of the run."""
-        start = self.next_step()
+    def pass_range(self, start: int, whole_run: bool) -> range:
+        """The steps a pass started at step ``start`` serves: to the end of its epoch, or of the run."""
         if start >= self.n_steps:
             raise PlanExhaustedError(
                 f"all {self.epochs} planned epochs ({self.n_steps} steps) have been served and trained on; "
@@ -100,19 +84,20 @@ class PlannedBatches:
         stop = self.n_steps if whole_run else min(self.n_steps, (start // self.steps_per_epoch + 1) * self.steps_per_epoch)
         return range(start, stop)
 
-    def check_step(self, step: int, examples: int) -> None:
-        """Raise ``UnplannedBatchError`` unless ``examples`` clipped examples are batch ``step``'s."""
+    def check_step(self, step: int, examples: int, served: int | None) -> None:
+        """Raise ``UnplannedBatchError`` unless batch ``step`` was ``served`` last and ``examples``
+        clipped examples are its examples."""
         advice = ("train on the batches of private.data_loader, in order, with one optimizer.step() per "
                   "batch (micro-batches of one batch before its step are fine)")
-        if self.served != step:
-            if self.served is None:
+        if served != step:
+            if served is None:
                 what = "no batch of the planned loader (private.data_loader) has been served yet"
-            elif self.served > step:
-                what = (f"the planned loader has already served batch {self.served}: batches were skipped or "
+            elif served > step:
+                what = (f"the planned loader has already served batch {served}: batches were skipped or "
                         f"several loader batches were merged into one step (gradient accumulation over loader "
                         f"batches takes fewer steps than the plan priced)")
             else:
-                what = f"the planned loader served batch {self.served} last, not this step's batch"
+                what = f"the planned loader served batch {served} last, not this step's batch"
             raise UnplannedBatchError(
                 f"optimizer.step() would release planned step {step}, but {what}; the gradients come from "
                 f"batches the accountant did not price (another DataLoader, e.g. transformers.Trainer's "
@@ -129,21 +114,21 @@ class PlannedBatches:
 
 
 class _PassBatches(torch.utils.data.Sampler):
-    """Batch sampler of one pass: the steps ``PlannedBatches.pass_range`` gives when iteration starts."""
+    """Batch sampler of one pass: the steps from the run's next step, as iteration starts."""
 
-    def __init__(self, batches: PlannedBatches, whole_run: bool):
+    def __init__(self, run, whole_run: bool):
         super().__init__()
-        self.batches = batches
+        self.run = run
         self.whole_run = whole_run
         self.steps: range | None = None  # the pass being served
 
     def __iter__(self):
-        self.steps = self.batches.pass_range(self.whole_run)
-        return (self.batches.indices(step) for step in self.steps)
+        self.steps = self.run.batches.pass_range(self.run.step, self.whole_run)
+        return (self.run.batches.indices(step) for step in self.steps)
 
     def __len__(self) -> int:
         try:
-            return len(self.batches.pass_range(self.whole_run))
+            return len(self.run.batches.pass_range(self.run.step, self.whole_run))
         except PlanExhaustedError:
             return 0
 
@@ -151,18 +136,23 @@ class _PassBatches(torch.utils.data.Sampler):
 class PlannedDataLoader(torch.utils.data.DataLoader):
     """A ``DataLoader`` over the plan's batches: each pass one epoch (or, ``whole_run``, the rest).
 
-    Built by ``make_private`` (``private.data_loader``, ``private.run_data_loader()``). Batches
-    vary in size and can be empty (``collate_fn`` must handle an empty list; the default one
-    does). Handing a batch to the loop marks it as served, which ``optimizer.step()`` checks.
+    Built by ``make_private`` (``private.data_loader``, ``private.run_data_loader()``) over the
+    run (``PrivateRun``). Batches vary in size and can be empty (``collate_fn`` must handle an
+    empty list; the default one does). Handing a batch to the loop tells the run it was served
+    (``run.serve(step)``), which ``optimizer.step()`` checks.
     """
 
-    def __init__(self, dataset, batches: PlannedBatches, whole_run: bool = False, **loader_options):
-        super().__init__(dataset, batch_sampler=_PassBatches(batches, whole_run), **loader_options)
-        self.planned = batches
+    def __init__(self, dataset, run, whole_run: bool = False, **loader_options):
+        super().__init__(dataset, batch_sampler=_PassBatches(run, whole_run), **loader_options)
+        self.run = run
+
+    @property
+    def planned(self) -> PlannedBatches:
+        return self.run.batches
 
     def __iter__(self):
         batches = super().__iter__()
         steps = self.batch_sampler.steps
         for step, batch in zip(steps, batches):
-            self.planned.serve(step)
+            self.run.serve(step)
             yield batch

@@ -36,8 +36,8 @@ from torch import nn
 
 from opake.errors import OpakeError
 
-__all__ = ["PerExampleLoss", "UnsupportedLossError", "is_hugging_face_model", "per_example_classification_loss",
-           "token_mean_per_example"]
+__all__ = ["PerExampleLoss", "UnsupportedLossError", "is_hugging_face_model", "loss_form",
+           "per_example_classification_loss", "token_mean_per_example"]
 
 IGNORE_INDEX = -100
 
@@ -114,6 +114,26 @@ def _head_of(module: nn.Module) -> str | None:
     return next((kind for suffix, kind in _HEADS if name.endswith(suffix)), None)
 
 
+_USER_LOSS = {"mean": "the caller's loss: a mean over the batch's examples of per-example terms (loss_reduction='mean')",
+              "sum": "the caller's loss: a sum over the batch's examples of per-example terms (loss_reduction='sum')"}
+
+
+def loss_form(module: nn.Module, loss_reduction: str) -> str:
+    """The loss form the clipping of ``module`` assumes (``PrivacyPlan.loss``): a Hugging Face head's
+    per-example loss that ``PerExampleLoss`` installs, or the caller's loss, reduced as
+    ``loss_reduction`` says ("mean" or "sum" over the batch's examples)."""
+    if loss_reduction not in _USER_LOSS:
+        raise ValueError(
+            f"loss_reduction must be one of {tuple(_USER_LOSS)} (how the loss combines the examples' "
+            f"losses over the batch dimension), got {loss_reduction!r}"
+        )
+    heads = [m for m in module.modules() if is_hugging_face_model(m) and _head_of(m) is not None]
+    if not heads:
+        return _USER_LOSS[loss_reduction]
+    return (f"Hugging Face {type(heads[0]).__name__}: the {loss_reduction} over examples of each example's own "
+            f"{_head_of(heads[0])} loss (installed by make_private)")
+
+
 class PerExampleLoss:
     """The hooks that give Hugging Face models a per-example ``outputs.loss``; ``remove()`` undoes them."""
 
@@ -128,10 +148,6 @@ class PerExampleLoss:
         for model in self.models:
             self._handles.append(model.register_forward_pre_hook(self._take_labels, with_kwargs=True))
             self._handles.append(model.register_forward_hook(self._per_example_loss, with_kwargs=True))
-        heads = [m for m in self.models if _head_of(m) is not None]
-        self.description = None if not heads else (
-            f"Hugging Face {type(heads[0]).__name__}: the {loss_reduction} over examples of each example's own "
-            f"{_head_of(heads[0])} loss (installed by make_private)")
 
     def remove(self) -> None:
         for handle in self._handles:

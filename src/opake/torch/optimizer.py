@@ -15,8 +15,10 @@ third of a Linear layer's backward and are never released, so their ``.grad`` st
 until ``step()`` writes the noised gradient. Several
 ``backward`` calls before one ``step`` form one logical batch (virtual batches / microbatching: each example is clipped on its own, the sums
 add up). Frozen parameters (``requires_grad=False``) get no noise and take no noise state.
-Under torch.distributed each rank clips its part of the global batch, the clipped sums are
-all-reduced, and the sharded noise engine adds the noise once (bit-identical on every rank).
+Under torch.distributed each rank clips its part of the global batch, and the run's reduction
+(``opake.torch.reduction``) forms the global clipped sum and adds the noise once (bit-identical
+on every rank). The run's state (noise state, the batch served last) belongs to the run
+(``opake.torch.run.PrivateRun``); the step asks it to check and release.
 
 The wrapper shares ``param_groups``, ``state`` and ``defaults`` with the wrapped optimizer, so
 learning-rate schedulers built on either object drive the same learning rates, and the
@@ -42,9 +44,10 @@ from __future__ import annotations
 import torch
 
 from opake.torch.guard import DirectStepError, ForeignOptimizerError, GradientGuard
-from opake.torch.loader import PlanExhaustedError, PlannedBatches
+from opake.torch.loader import PlanExhaustedError
 from opake.torch.per_example.bookkeeping import sum_dtype
 from opake.torch.per_example.errors import ClipperUsageError
+from opake.torch.reduction import SingleProcess
 from opake.types import clipped
 
 __all__ = ["DPOptimizer", "DirectStepError", "ForeignOptimizerError", "PlanExhaustedError"]
@@ -53,31 +56,27 @@ __all__ = ["DPOptimizer", "DirectStepError", "ForeignOptimizerError", "PlanExhau
 class DPOptimizer(torch.optim.Optimizer):
     """Wraps ``optimizer``; ``step()`` replaces the gradients by clipped sums plus noise first.
 
-    Built by ``make_private``; ``noise_fn`` / ``noise_state`` are the noise engine's pair,
-    ``clipper`` the per-example clipper of the module, ``parameters`` the trainable parameters
-    by name (the engine's template), ``normalization`` the constant divisor of the clipped sum,
-    ``batches`` the plan's batches (``step()`` releases only those), ``noise_multiplier`` the
-    plan's sigma (read by Opacus-style scripts as ``optimizer.noise_multiplier``).
+    Built by ``make_private``: ``run`` is the run's ``PrivateRun`` (planned batches, noise engine
+    and state), ``clipper`` the per-example clipper of the module, ``parameters`` the trainable
+    parameters by name (the engine's template), ``max_grad_norm`` the clipping bound,
+    ``normalization`` the constant divisor of the clipped sum, ``noise_multiplier`` the plan's
+    sigma (read by Opacus-style scripts as ``optimizer.noise_multiplier``), ``reduction`` how the
+    sums meet across processes (``opake.torch.reduction``).
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, *, clipper, noise_fn, noise_state, parameters: dict,
-                 max_grad_norm: float, normalization: float, batches: PlannedBatches, noise_multiplier: float,
-                 process_group=None, distributed: bool = False):
+    def __init__(self, optimizer: torch.optim.Optimizer, *, run, clipper, parameters: dict, max_grad_norm: float,
+                 normalization: float, noise_multiplier: float, reduction=None):
         # Not Optimizer.__init__: the wrapped optimizer owns the groups and the state.
         self.original_optimizer = optimizer
         self.guard = GradientGuard(parameters, optimizer)
+        self.run = run
         self.clipper = clipper
-        self.noise_fn = noise_fn
-        self.noise_state = noise_state
         self.parameters = parameters
         self.max_grad_norm = float(max_grad_norm)
         self.normalization = float(normalization)
         self.noise_multiplier = float(noise_multiplier)
-        self.batches = batches
-        batches.next_step = lambda: self.noise_state.step
+        self.reduction = SingleProcess() if reduction is None else reduction
         self.last_step_examples = 0
-        self.distributed = distributed
-        self.process_group = process_group
         # Until one step with examples has shown that autograd's .grad equals what the hooks
         # saw, every parameter use is not known to go through a hooked layer: check it.
         self._coverage_checked = False
@@ -122,6 +121,24 @@ class DPOptimizer(torch.optim.Optimizer):
         """Give the parameters back to every optimizer (``make_private``'s ``detach()``)."""
         self.guard.remove()
 
+    # -- the run, as Opacus-style code reads it ----------------------------------------------
+
+    @property
+    def noise_state(self):
+        return self.run.state.noise
+
+    @property
+    def batches(self):
+        return self.run.batches
+
+    @property
+    def steps_taken(self) -> int:
+        return self.run.step
+
+    @property
+    def steps_planned(self) -> int:
+        return self.run.n_steps
+
     # -- the step -------------------------------------------------------------------------------
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -130,14 +147,6 @@ class DPOptimizer(torch.optim.Optimizer):
         self.clipper.reset()
         self.guard.clear()
 
-    @property
-    def steps_taken(self) -> int:
-        return self.noise_state.step
-
-    @property
-    def steps_planned(self) -> int:
-        return self.noise_state.n_steps
-
     def step(self, closure=None):
         """Noise the clipped sum of the examples since ``zero_grad`` and take the optimizer step."""
         if closure is not None:
@@ -145,63 +154,51 @@ class DPOptimizer(torch.optim.Optimizer):
                 "DPOptimizer.step does not take a closure: a closure re-evaluates the loss, which "
                 "would release gradients without noise; call loss.backward() before step()"
             )
-        step = self.noise_state.step
-        if step >= self.noise_state.n_steps:
+        step = self.run.step
+        if step >= self.run.n_steps:
             raise PlanExhaustedError(
-                f"optimizer.step() was called after all {self.noise_state.n_steps} planned steps were taken "
+                f"optimizer.step() was called after all {self.run.n_steps} planned steps were taken "
                 f"(one per batch of the plan); a further step would release gradients the reported epsilon "
                 f"does not cover. Take one step per batch of private.data_loader, and plan the epochs the "
                 f"loop runs (make_private(..., epochs=...))"
             )
-        try:
-            sums = self.clipper.clipped_sum(copy=False)  # read only: divided below into new tensors
-            examples = self.clipper.examples
-        except ClipperUsageError:
-            if self.clipper.passes:  # backward passes were clipped: a misuse the clipper named
-                raise
-            if self.batches.indices(step):
-                raise ClipperUsageError(
-                    f"optimizer.step() was called without a backward pass since zero_grad(), but planned batch "
-                    f"{step} has examples; run loss.backward() on that batch first"
-                ) from None
-            sums, examples = None, 0  # an empty planned batch: its release is noise only
-        self.batches.check_step(step, examples)
-        if sums is None:
-            sums = {name: torch.zeros_like(p, dtype=sum_dtype(p.dtype)) for name, p in self.parameters.items()}
-        self.last_step_examples = examples
-        if not self._coverage_checked and examples:
-            self.clipper.check_coverage(autograd_gradients=self.guard.collected)
-            self._coverage_checked = True
-            self.clipper.track_coverage(False)
-            self.clipper.skip_autograd_weight_gradients(True)
-            self.guard.collecting = False
-            self.guard.clear()
-        if self.distributed:
-            sums = _all_reduced(sums, self.process_group)
+        sums, examples = self._clipped_sums(step)
+        self.run.check(step, examples)
+        self._check_coverage_once(examples)
+        sums = self.reduction.reduce(sums)
         gradients = clipped({name: sums[name] / self.normalization for name in self.parameters},
                             l2_bound=self.max_grad_norm, normalization=self.normalization)
-        noisy, self.noise_state = self.noise_fn(gradients, self.noise_state)
-        for name, parameter in self.parameters.items():
-            parameter.grad = noisy.pytree[name]
+        noisy = self.run.release(gradients)
+        self.reduction.write(self.parameters, noisy.pytree)
+        self.last_step_examples = examples
         self.clipper.reset()
         with self.guard.stepping():
             return self.original_optimizer.step()
 
+    def _clipped_sums(self, step: int) -> tuple[dict, int]:
+        """The clipper's sums since ``zero_grad`` (read only) and their examples; zeros for an empty
+        planned batch, whose release is noise only."""
+        try:
+            return self.clipper.clipped_sum(copy=False), self.clipper.examples
+        except ClipperUsageError:
+            if self.clipper.passes:  # backward passes were clipped: a misuse the clipper named
+                raise
+            if self.run.batches.indices(step):
+                raise ClipperUsageError(
+                    f"optimizer.step() was called without a backward pass since zero_grad(), but planned batch "
+                    f"{step} has examples; run loss.backward() on that batch first"
+                ) from None
+        zeros = {name: torch.zeros_like(p, dtype=sum_dtype(p.dtype)) for name, p in self.parameters.items()}
+        return zeros, 0
 
-def _all_reduced(sums: dict, process_group) -> dict:
-    """The sum over ranks of every rank's clipped sums: one all-reduce per dtype.
-
-    Each rank clipped its own part of the global batch; the clipped sum of the global batch is
-    the sum of the parts (clipping is per example), so every rank then holds the same sum and
-    the sharded noise engine adds the noise once.
-    """
-    import torch.distributed as dist
-
-    result = {}
-    for dtype in sorted({tensor.dtype for tensor in sums.values()}, key=str):
-        names = [name for name, tensor in sums.items() if tensor.dtype == dtype]
-        flat = torch.cat([sums[name].reshape(-1) for name in names])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=process_group)
-        for name, piece in zip(names, flat.split([sums[name].numel() for name in names])):
-            result[name] = piece.view(sums[name].shape)
-    return result
+    def _check_coverage_once(self, examples: int) -> None:
+        """On the first step with examples: every parameter use went through a hooked layer (then
+        autograd's unclipped weight gradients are no longer computed, nor kept)."""
+        if self._coverage_checked or not examples:
+            return
+        self.clipper.check_coverage(autograd_gradients=self.guard.collected)
+        self._coverage_checked = True
+        self.clipper.track_coverage(False)
+        self.clipper.skip_autograd_weight_gradients(True)
+        self.guard.collecting = False
+        self.guard.clear()

@@ -22,14 +22,12 @@ The number of units is public (it fixes ``num_bins`` or ``q``), as the number of
 
 from __future__ import annotations
 
-import hashlib
-
 import numpy as np
 import torch
 
 from opake.dpftrl.sampling import PrivacyUnits
 
-__all__ = ["checkpoint_name", "description", "privacy_units"]
+__all__ = ["description", "privacy_units"]
 
 EXAMPLE = "example"
 
@@ -86,12 +84,3 @@ def _not_self_equal(value) -> bool:
 def description(units: PrivacyUnits | None) -> str:
     """``PrivacyPlan.privacy_unit``: ``"example"``, or ``"user (N units)"``."""
     return EXAMPLE if units is None else f"user ({units.num_units} units)"
-
-
-def checkpoint_name(units: PrivacyUnits | None) -> str:
-    """What a checkpoint records of the unit assignment: ``"example"``, or the number of units and a
-    SHA-256 digest of every example's unit number (another assignment is another plan)."""
-    if units is None:
-        return EXAMPLE
-    digest = hashlib.sha256(units.unit_of_example.astype("<i8").tobytes()).hexdigest()
-    return f"units {units.num_units} sha256:{digest}"

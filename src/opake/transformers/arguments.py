@@ -330,6 +330,7 @@ ARGUMENT_RULES: tuple[ArgumentRule, ...] = (
 )
 
 _BY_NAME = {rule.name: rule for rule in ARGUMENT_RULES}
+CONSTRUCTOR_ARGUMENTS = tuple(rule.name for rule in ARGUMENT_RULES if rule.where == CONSTRUCTOR)
 if len(_BY_NAME) != len(ARGUMENT_RULES):  # pragma: no cover - a table edit that repeats a row
     raise RuntimeError("ARGUMENT_RULES names a field twice")
 

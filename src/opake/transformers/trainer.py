@@ -45,22 +45,22 @@ Trainer runs on a copy of the given TrainingArguments with ``gradient_accumulati
 
 from __future__ import annotations
 
-import copy
 import dataclasses
+import inspect
 import os
 
 import torch
 import transformers
 from torch import nn
 from transformers.trainer_callback import TrainerCallback
-from transformers.trainer_utils import get_last_checkpoint, seed_worker
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, seed_worker
 from transformers.utils import is_datasets_available
 
-from opake.torch import make_private, strategy_for_optimizer
-from opake.transformers.arguments import UnsupportedTrainingArgumentError, check_arguments
+from opake.torch import make_private
+from opake.transformers.arguments import CONSTRUCTOR_ARGUMENTS, UnsupportedTrainingArgumentError, check_arguments
 from opake.transformers.batches import EmptyBatchCollator, batch_size_of, micro_batches, unit_micro_batches
 
-__all__ = ["CHECKPOINT_NAME", "DPTrainer"]
+__all__ = ["CHECKPOINT_NAME", "DPTrainer", "PrivateTrainerMixin"]
 
 CHECKPOINT_NAME = "opake_private.pt"
 _TRAINER_STATE = "trainer_state.json"
@@ -113,70 +113,63 @@ class _EpochOfPlan(TrainerCallback):
         state.epoch = state.global_step / self.steps_per_epoch
 
 
-class DPTrainer(transformers.Trainer):
-    """``transformers.Trainer`` whose training is the privacy plan of ``opake.torch.make_private``.
+class _PrivateCheckpoint(TrainerCallback):
+    """Writes the private run's state (``opake_private.pt``) into each checkpoint folder Trainer
+    saves with its optimizer (not with ``save_only_model``), on the process that saves."""
 
-    Takes Trainer's arguments (same order), then the plan's, keyword-only: ``target_delta``
-    always, and exactly one of ``target_epsilon`` (the noise is calibrated) and
-    ``noise_multiplier``; ``strategy``, ``sampling``, ``amplification`` as in ``make_private``;
-    ``key`` (an ``opake.random.RngKey``) seeds the batches and the noise (without it, a key is
-    drawn from the operating system, as SECURITY.md recommends for published runs; resuming
-    needs the same key: it is saved in each checkpoint's opake_private.pt). ``privacy_unit``
-    (one user id per example of ``train_dataset``) makes the guarantee user-level, as in
-    ``make_private``; the batch size then counts users (module docstring).
+    def __init__(self, private):
+        self.private = private
 
-    ``trainer.private`` is the ``PrivateTraining`` (``epsilon``, ``plan``, ``optimizer``,
-    ``state_dict()``). Arguments DPTrainer cannot honour raise
-    ``UnsupportedTrainingArgumentError`` listing each with its reason (``arguments_table()``).
+    def on_save(self, args, state, control, **kwargs):
+        if args.should_save and not args.save_only_model:
+            folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+            torch.save(self.private.state_dict(), os.path.join(folder, CHECKPOINT_NAME))
+
+
+class PrivateTrainerMixin:
+    """Makes a ``transformers.Trainer`` subclass train on the privacy plan of ``make_private``.
+
+    Put it first: ``class MyTrainer(PrivateTrainerMixin, transformers.Trainer)`` (``DPTrainer``
+    is exactly that; TRL's trainers take it the same way). It takes the parent trainer's
+    arguments unchanged, plus the plan's, keyword-only (``DPTrainer`` lists them), and works
+    only through Trainer's public seams: ``get_train_dataloader``, ``get_batch_samples``,
+    ``training_step``, ``compute_loss``, ``log``, ``train`` and a callback for checkpoints.
     """
 
-    def __init__(self, model=None, args=None, data_collator=None, train_dataset=None, eval_dataset=None,
-                 processing_class=None, model_init=None, compute_loss_func=None, compute_metrics=None,
-                 callbacks=None, optimizers=(None, None), optimizer_cls_and_kwargs=None,
-                 preprocess_logits_for_metrics=None, *, target_delta: float, target_epsilon: float | None = None,
+    def __init__(self, *args, target_delta: float, target_epsilon: float | None = None,
                  noise_multiplier: float | None = None, strategy=None, sampling: str = "balls_in_bins",
-                 amplification: bool | None = None, key=None, privacy_unit=None):
-        if args is None:
-            args = transformers.TrainingArguments(output_dir="tmp_trainer")
-        if not isinstance(args, transformers.TrainingArguments):
-            raise TypeError(f"args must be a transformers.TrainingArguments, got {type(args).__name__}")
-        if model is None:
-            raise TypeError("DPTrainer needs model= (the model make_private hooks)")
-        check_arguments(args, {"model_init": model_init, "compute_loss_func": compute_loss_func,
-                               "train_dataset": train_dataset, "data_collator": data_collator,
-                               "optimizers": optimizers, "optimizer_cls_and_kwargs": optimizer_cls_and_kwargs,
-                               "eval_dataset": eval_dataset, "compute_metrics": compute_metrics,
-                               "callbacks": callbacks, "processing_class": processing_class,
-                               "preprocess_logits_for_metrics": preprocess_logits_for_metrics})
-        self.private_args = args
-        run_args = dataclasses.replace(args, gradient_accumulation_steps=1, max_grad_norm=0.0, ignore_data_skip=True)
-        super().__init__(model=model, args=run_args, data_collator=data_collator, train_dataset=train_dataset,
-                         eval_dataset=eval_dataset, processing_class=processing_class,
-                         compute_metrics=compute_metrics, callbacks=callbacks, optimizers=optimizers,
-                         optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
-                         preprocess_logits_for_metrics=preprocess_logits_for_metrics)
-        self.micro_batch_size = int(args.per_device_train_batch_size)
-        batch_size = self.micro_batch_size * int(args.gradient_accumulation_steps)
-        epochs = int(args.num_train_epochs)
-        dataset, collate = self._planned_dataset_and_collator(train_dataset)
+                 amplification: bool | None = None, key=None, privacy_unit=None, **kwargs):
+        bound = inspect.signature(super().__init__).bind(*args, **kwargs)
+        bound.apply_defaults()
+        arguments = dict(bound.arguments)
+        run_args = arguments.get("args")
+        if run_args is None:
+            run_args = transformers.TrainingArguments(output_dir="tmp_trainer")
+        if not isinstance(run_args, transformers.TrainingArguments):
+            raise TypeError(f"args must be a transformers.TrainingArguments, got {type(run_args).__name__}")
+        if arguments.get("model") is None:
+            raise TypeError(f"{type(self).__name__} needs model= (the model make_private hooks)")
+        check_arguments(run_args, {name: arguments[name] for name in CONSTRUCTOR_ARGUMENTS if name in arguments})
+        self.private_args = run_args
+        arguments["args"] = dataclasses.replace(run_args, gradient_accumulation_steps=1, max_grad_norm=0.0,
+                                                ignore_data_skip=True)
+        super().__init__(**arguments)
+        self.micro_batch_size = int(run_args.per_device_train_batch_size)
+        batch_size = self.micro_batch_size * int(run_args.gradient_accumulation_steps)
+        dataset, collate = self._planned_dataset_and_collator(self.train_dataset)
         optimizer = self.create_optimizer()  # Trainer's (or the one passed in optimizers=)
-        drawn = len(dataset) if privacy_unit is None else _units_count(privacy_unit, len(dataset))
-        n_steps = epochs * (drawn // batch_size)
-        lr_scheduler = self.lr_scheduler  # passed in optimizers=, or None
-        if strategy is None and lr_scheduler is None:
-            strategy = _strategy_for_trainer_schedule(optimizer, n_steps, self.args)
+        # The scheduler passed in optimizers=, or the one Trainer will build for the plan's length.
+        lr_scheduler = self.lr_scheduler or _TrainerSchedule(self.args)
         self.private = make_private(
-            module=self.model, optimizer=optimizer, dataset=dataset, batch_size=batch_size, epochs=epochs,
-            max_grad_norm=args.max_grad_norm, target_epsilon=target_epsilon, target_delta=target_delta,
-            noise_multiplier=noise_multiplier, strategy=strategy, sampling=sampling, amplification=amplification,
-            lr_scheduler=lr_scheduler, key=key, loss_reduction="mean", privacy_unit=privacy_unit,
-            **self._loader_options(collate))
-        if self.private.plan.participation.n_steps != n_steps:  # pragma: no cover - make_private's epoch changed
-            raise RuntimeError(f"the plan has {self.private.plan.participation.n_steps} steps, DPTrainer expected "
-                               f"{n_steps}; the learning-rate schedule would not match the plan")
+            module=self.model, optimizer=optimizer, dataset=dataset, batch_size=batch_size,
+            epochs=int(run_args.num_train_epochs), max_grad_norm=run_args.max_grad_norm,
+            target_epsilon=target_epsilon, target_delta=target_delta, noise_multiplier=noise_multiplier,
+            strategy=strategy, sampling=sampling, amplification=amplification, lr_scheduler=lr_scheduler, key=key,
+            loss_reduction="mean", privacy_unit=privacy_unit, **self._loader_options(collate))
         self.optimizer = self.private.optimizer
         self._resumed_from = None  # the checkpoint folder train() resumes from, until its loader exists
         self.add_callback(_EpochOfPlan(self.private.plan.steps_per_epoch))
+        self.add_callback(_PrivateCheckpoint(self.private))
 
     # -- the plan's data ----------------------------------------------------------------------
 
@@ -235,8 +228,8 @@ class DPTrainer(transformers.Trainer):
         inputs = self._prepare_inputs(inputs)
         size = batch_size_of(inputs)
         total = torch.zeros((), device=self.args.device)
-        batches = self.private.optimizer.batches
-        units = None if batches.served is None else batches.units(batches.served)
+        run = self.private.run
+        units = None if run.state.served is None else run.batches.units(run.state.served)
         parts = (micro_batches(inputs, size, self.micro_batch_size) if units is None
                  else unit_micro_batches(inputs, size, self.micro_batch_size, units))
         for part in parts:
@@ -254,14 +247,6 @@ class DPTrainer(transformers.Trainer):
         """
         return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=None)
 
-    def _clip_grad_norm(self, model):
-        """Off: the clipping is per example, in the hooks; the summed .grad is not the released gradient."""
-        return None
-
-    def _get_grad_norm(self, model, grad_norm=None):
-        """Off: the norm of autograd's unclipped, un-noised gradient would be a release nobody priced."""
-        return None
-
     def log(self, logs: dict, start_time: float | None = None) -> None:
         """Trainer's log with the guarantee so far (``epsilon``), the planned one, ``delta`` and sigma."""
         logs = {name: value for name, value in logs.items() if name != "grad_norm"}
@@ -270,12 +255,6 @@ class DPTrainer(transformers.Trainer):
         super().log(logs, start_time)
 
     # -- checkpoints ------------------------------------------------------------------------
-
-    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        """Trainer's optimizer and scheduler files, then the private run's state beside them."""
-        super()._save_optimizer_and_scheduler(output_dir)
-        if self.args.should_save:
-            torch.save(self.private.state_dict(), os.path.join(output_dir, CHECKPOINT_NAME))
 
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, *, draws: str | None = None,
               fresh_key=None):
@@ -332,11 +311,36 @@ class DPTrainer(transformers.Trainer):
             "privacy cost adds up (tune on public or held-out data, or account for the search)")
 
 
-def _units_count(privacy_unit, num_examples: int) -> int:
-    """The number of users of ``privacy_unit`` (make_private checks it in full)."""
-    from opake.torch.privacy_units import privacy_units
+class DPTrainer(PrivateTrainerMixin, transformers.Trainer):
+    """``transformers.Trainer`` whose training is the privacy plan of ``opake.torch.make_private``.
 
-    return privacy_units(privacy_unit, num_examples).num_units
+    Takes Trainer's arguments (same order), then the plan's, keyword-only: ``target_delta``
+    always, and exactly one of ``target_epsilon`` (the noise is calibrated) and
+    ``noise_multiplier``; ``strategy``, ``sampling``, ``amplification`` as in ``make_private``;
+    ``key`` (an ``opake.random.RngKey``) seeds the batches and the noise (without it, a key is
+    drawn from the operating system, as SECURITY.md recommends for published runs; resuming
+    needs the same key: it is saved in each checkpoint's opake_private.pt). ``privacy_unit``
+    (one user id per example of ``train_dataset``) makes the guarantee user-level, as in
+    ``make_private``; the batch size then counts users (module docstring).
+
+    ``trainer.private`` is the ``PrivateTraining`` (``epsilon``, ``plan``, ``optimizer``,
+    ``state_dict()``). Arguments DPTrainer cannot honour raise
+    ``UnsupportedTrainingArgumentError`` listing each with its reason (``arguments_table()``).
+    """
+
+    def __init__(self, model=None, args=None, data_collator=None, train_dataset=None, eval_dataset=None,
+                 processing_class=None, model_init=None, compute_loss_func=None, compute_metrics=None,
+                 callbacks=None, optimizers=(None, None), optimizer_cls_and_kwargs=None,
+                 preprocess_logits_for_metrics=None, *, target_delta: float, target_epsilon: float | None = None,
+                 noise_multiplier: float | None = None, strategy=None, sampling: str = "balls_in_bins",
+                 amplification: bool | None = None, key=None, privacy_unit=None):
+        super().__init__(model=model, args=args, data_collator=data_collator, train_dataset=train_dataset,
+                         eval_dataset=eval_dataset, processing_class=processing_class, model_init=model_init,
+                         compute_loss_func=compute_loss_func, compute_metrics=compute_metrics, callbacks=callbacks,
+                         optimizers=optimizers, optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
+                         preprocess_logits_for_metrics=preprocess_logits_for_metrics, target_delta=target_delta,
+                         target_epsilon=target_epsilon, noise_multiplier=noise_multiplier, strategy=strategy,
+                         sampling=sampling, amplification=amplification, key=key, privacy_unit=privacy_unit)
 
 
 class _WorkerSeed:
@@ -350,19 +354,16 @@ class _WorkerSeed:
         seed_worker(worker_id, num_workers=self.num_workers, rank=self.rank)
 
 
-def _strategy_for_trainer_schedule(optimizer, n_steps: int, args):
-    """For torch SGD, the BLT for the learning rates Trainer's scheduler will set (its noise
-    workload depends on them, ``strategy_for_optimizer``); None (make_private's default) otherwise.
+class _TrainerSchedule:
+    """The scheduler Trainer builds from ``args`` for a run of ``n_steps`` (``get_scheduler``), as a
+    factory ``(optimizer, n_steps) -> scheduler``: the plan reads the learning rates from it on a
+    copy of the optimizer (``strategy_for_optimizer``), once it knows the run's length."""
 
-    The scheduler is built as Trainer builds it, on a copy of the optimizer whose parameters are
-    one-element stand-ins: the caller's optimizer and model are not touched.
-    """
-    if type(optimizer) is not torch.optim.SGD:
-        return None
-    stand_ins = {id(p): nn.Parameter(torch.zeros(1)) for group in optimizer.param_groups for p in group["params"]}
-    probe = copy.deepcopy(optimizer, memo=dict(stand_ins))
-    scheduler = transformers.get_scheduler(args.lr_scheduler_type, optimizer=probe,
-                                           num_warmup_steps=args.get_warmup_steps(n_steps),
-                                           num_training_steps=n_steps,
-                                           scheduler_specific_kwargs=args.lr_scheduler_kwargs)
-    return strategy_for_optimizer(probe, n_steps, scheduler)
+    def __init__(self, args):
+        self.args = args
+
+    def __call__(self, optimizer, n_steps: int):
+        return transformers.get_scheduler(self.args.lr_scheduler_type, optimizer=optimizer,
+                                          num_warmup_steps=self.args.get_warmup_steps(n_steps),
+                                          num_training_steps=n_steps,
+                                          scheduler_specific_kwargs=self.args.lr_scheduler_kwargs)

@@ -2,7 +2,7 @@
 
 The noisy gradients are a post-processing of C G + sigma * Z (sigma = noise multiplier times
 the clip norm), a Gaussian mechanism whose L2 sensitivity is clip * S, S the sensitivity of the
-strategy C for the participation context (add/remove adjacency; MATH.md section 6, after
+strategy C for the participation context (add/remove adjacency; docs/math.md section 6, after
 ME23 and BSR24 Thm 2). So the run is exactly one Gaussian with noise multiplier
 sigma_eff = noise_multiplier / S, priced by the analytic Gaussian formula.
 
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from opake.accounting.gaussian import Gaussian
 from opake.accounting.process import check_delta, check_epsilon, check_noise_multiplier
+from opake.dpftrl.accounting.methods import AccountingMethod
 from opake.dpftrl.noise.priced import PricedNoise
 from opake.dpftrl.participation import Participation
 from opake.errors import OpakeError
@@ -48,6 +49,7 @@ class MFGaussian:
     mechanism: object = None  # opake.dpftrl.noise.Mechanism once bound
 
     is_guarantee = True
+    method = AccountingMethod.GAUSSIAN
 
     @property
     def is_bound(self) -> bool:
@@ -86,7 +88,7 @@ class MFGaussian:
     def dp_event(self):
         """The run as dp_accounting's ``GaussianDpEvent(noise_multiplier / S)``, exactly (bound only).
 
-        The whole run is one Gaussian mechanism with that noise multiplier (MATH.md section 6),
+        The whole run is one Gaussian mechanism with that noise multiplier (docs/math.md section 6),
         so dp_accounting's RDP and PLD accountants can compose it with other releases of the
         same data; an unbound mf_gaussian raises (it has no sensitivity yet).
         """

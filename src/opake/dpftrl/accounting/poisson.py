@@ -33,10 +33,12 @@ from dataclasses import dataclass, field
 import dp_accounting
 from dp_accounting.pld import PLDAccountant
 
+from opake._checks import integer_at_least
 from opake.accounting.calibrate import calibrate
 from opake.accounting.gaussian import gaussian
 from opake.accounting.process import certified_epsilon, check_delta, check_epsilon
 from opake.dpftrl.accounting.gaussian import MFGaussian
+from opake.dpftrl.accounting.methods import AccountingMethod
 from opake.dpftrl.noise.priced import PricedNoise
 from opake.dpftrl.participation import Participation
 from opake.errors import OpakeError
@@ -76,6 +78,7 @@ class CyclicPoisson:
     _accountant: PLDAccountant = field(repr=False, compare=False, default=None)
 
     is_guarantee = True
+    method = AccountingMethod.POISSON_PLD
 
     @property
     def mechanism(self):
@@ -143,35 +146,24 @@ def _check_sample_rate(sample_rate) -> float:
 def _check_n_steps(n_steps) -> int:
     if n_steps is None:
         raise ValueError("n_steps is required: poisson(mf_gaussian(noise_multiplier, strategy), sample_rate, n_steps)")
-    if isinstance(n_steps, bool) or not isinstance(n_steps, numbers.Integral):
-        raise TypeError(f"n_steps must be an integer, got {n_steps!r} ({type(n_steps).__name__})")
-    if n_steps < 1:
-        raise ValueError(f"n_steps must be >= 1, got {n_steps}")
-    return int(n_steps)
+    return integer_at_least("n_steps", n_steps)
 
 
-def _bands(strategy) -> int:
-    """The number of bands b of a strategy the theorem covers; refuses everything else."""
-    from opake.dpftrl.strategies.band_mf import BandMFStrategy
-    from opake.dpftrl.strategies.strategy import BLTStrategy, IdentityStrategy
+def strategy_bands(strategy) -> int:
+    """The number of bands b of a strategy the theorem covers (``strategy.bands``: 1 for the
+    identity, the band of BandMF and of a banded run's prefix); refuses everything else."""
+    bands = getattr(strategy, "bands", None)  # recipes state their bands; None: not banded (a BLT)
+    if bands is None:
+        from opake.dpftrl.strategies.strategy import BLTStrategy
 
-    if isinstance(strategy, BLTStrategy):
-        raise UnsupportedAmplificationError(BLT_ADVICE)
-    if isinstance(strategy, IdentityStrategy):
-        return 1
-    if isinstance(strategy, BandMFStrategy):
-        return strategy.bands
-    from opake.dpftrl.strategies.prefix import PrefixStrategy
-
-    if isinstance(strategy, PrefixStrategy) and strategy.bands is not None:
-        return strategy.bands  # the first steps of a banded run: the same bands
-    if isinstance(strategy, PrefixStrategy):
-        raise UnsupportedAmplificationError(BLT_ADVICE)
-    raise UnsupportedAmplificationError(
-        f"cyclic Poisson amplification (Band23 Thm 4) needs a banded strategy; got "
-        f"{type(strategy).__name__}. Use band_mf_strategy(bands) or identity_strategy(), or price "
-        f"this strategy with mf_gaussian / balls_in_bins"
-    )
+        if isinstance(strategy, BLTStrategy) or hasattr(strategy, "bands"):
+            raise UnsupportedAmplificationError(BLT_ADVICE)
+        raise UnsupportedAmplificationError(
+            f"cyclic Poisson amplification (Band23 Thm 4) needs a banded strategy; got "
+            f"{type(strategy).__name__}. Use band_mf_strategy(bands) or identity_strategy(), or price "
+            f"this strategy with mf_gaussian / balls_in_bins"
+        )
+    return int(bands)
 
 
 def poisson(
@@ -198,7 +190,7 @@ def poisson(
         raise TypeError(
             f"inner must be an unbound mf_gaussian(noise_multiplier, strategy), got {type(inner).__name__}"
         )
-    bands = _bands(inner.strategy)
+    bands = strategy_bands(inner.strategy)
     rate = _check_sample_rate(sample_rate)
     n = _check_n_steps(n_steps)
     if bands > n:
@@ -232,8 +224,7 @@ def poisson(
 def banded_column_norm(mechanism) -> float:
     """||c||_2 of a banded mechanism's first column (1 for the identity): Band23 Thm 4's sigma_eff
     is the noise multiplier divided by it (the first column holds the whole band)."""
-    coefs = getattr(mechanism, "coefs", None)
-    return 1.0 if coefs is None else math.sqrt(math.fsum(float(v) * float(v) for v in coefs))
+    return math.sqrt(math.fsum(float(v) * float(v) for v in mechanism.toeplitz_coefficients(mechanism.bands)))
 
 
 def noise_multiplier_guess(sample_rate: float, compositions: int, column_norm: float, budget) -> float:

@@ -72,6 +72,16 @@ class BandedMechanism(Mechanism):
         """Rows of d floats the noise engine keeps: the last bands - 1 outputs."""
         return self.bands - 1
 
+    def inverse_coefficients(self, n: int | None = None) -> np.ndarray:
+        """First column of C^{-1} by forward substitution on the band (O(n * bands))."""
+        return toeplitz.inverse_coefficients(self.toeplitz_coefficients(n))
+
+    def leading(self, participation: Participation, recipe) -> "BandedMechanism":
+        return mechanism_from_coefs(self.coefs[: participation.n_steps], participation, recipe=recipe)
+
+    def streaming_description(self) -> dict:
+        return {"kind": "banded", "coefs": [float(v) for v in self.coefs]}
+
     def toeplitz_coefficients(self, n: int | None = None) -> np.ndarray:
         """First column c_0..c_{n-1} of C (zeros beyond the band; default n = n_steps)."""
         n = self.participation.n_steps if n is None else int(n)

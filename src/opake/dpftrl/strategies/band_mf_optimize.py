@@ -11,7 +11,7 @@ so 1 > c_1 > c_2 > ... > c_{bands-1} > 0: non-negative and non-increasing by con
 Initial point: the optimal Toeplitz strategy c_k = binom(2k, k) / 4^k truncated to the band
 (its ratios are s_k = (2k - 1) / (2k)).
 
-Error (MATH.md section 3). With c_hat the first column of C^{-1}, d = cumsum(c_hat) and
+Error (docs/math.md section 3). With c_hat the first column of C^{-1}, d = cumsum(c_hat) and
 e_t = sum_{k<=t} d_k^2, the max error is e_{n-1} = sum_k d_k^2 and the mean error is
 (1/n) sum_k (n - k) d_k^2; both are E = sum_k w_k d_k^2.
 

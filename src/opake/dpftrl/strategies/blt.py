@@ -1,6 +1,6 @@
 """Buffered Linear Toeplitz (BLT) strategies: parameters and their closed forms (float64).
 
-Convention (BLT24, UseBLT24, Inv25; MATH.md section 1): a BLT with decays theta (B,) and
+Convention (BLT24, UseBLT24, Inv25; docs/math.md section 1): a BLT with decays theta (B,) and
 output scales omega (B,) is the lower-triangular Toeplitz C with
 
     c_0 = 1,    c_k = sum_i omega_i theta_i^(k-1)   (k >= 1).

@@ -1,6 +1,6 @@
 """Optimizing a BLT for a participation context: minimize sens^2 x error (BLT24 section 5).
 
-Parametrization (barrier-free, MATH.md section 5). For B buffers take 2B strictly increasing
+Parametrization (barrier-free, docs/math.md section 5). For B buffers take 2B strictly increasing
 values x_1 < ... < x_2B in (0, 1) and read them alternately as
 
     theta_hat_1 < theta_1 < theta_hat_2 < theta_2 < ... < theta_hat_B < theta_B,

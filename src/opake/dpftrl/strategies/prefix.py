@@ -18,8 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from opake.dpftrl.participation import Participation
-from opake.dpftrl.strategies.band_mf import BandedMechanism, mechanism_from_coefs
-from opake.dpftrl.strategies.strategy import Mechanism, identity_strategy, mechanism_from_blt
+from opake.dpftrl.strategies.strategy import Mechanism
 
 __all__ = ["PrefixStrategy"]
 
@@ -33,9 +32,7 @@ class PrefixStrategy:
     @property
     def bands(self) -> int | None:
         """The band of a banded mechanism (1 for the identity), None for a BLT."""
-        if isinstance(self.mechanism, BandedMechanism):
-            return self.mechanism.bands
-        return 1 if self.mechanism.num_buffers == 0 else None
+        return self.mechanism.bands
 
     def resolve(self, n_steps, min_sep: int = 1, max_participations: int | None = None) -> Mechanism:
         ctx = n_steps if isinstance(n_steps, Participation) else Participation(n_steps, min_sep, max_participations)
@@ -45,11 +42,4 @@ class PrefixStrategy:
                 f"a prefix of a mechanism resolved for {planned} steps has at most {planned} steps, got "
                 f"n_steps={ctx.n_steps}"
             )
-        if isinstance(self.mechanism, BandedMechanism):
-            return mechanism_from_coefs(self.mechanism.coefs[: ctx.n_steps], ctx, recipe=self)
-        if self.mechanism.num_buffers == 0:
-            identity = identity_strategy().resolve(ctx)
-            return Mechanism(recipe=self, participation=ctx, theta=identity.theta, omega=identity.omega,
-                             sensitivity=identity.sensitivity, max_loss=identity.max_loss,
-                             mean_loss=identity.mean_loss)
-        return mechanism_from_blt(self.mechanism.params, ctx, recipe=self)
+        return self.mechanism.leading(ctx, recipe=self)

@@ -87,6 +87,49 @@ class Mechanism:
         return int(self.theta.shape[0])
 
     @property
+    def bands(self) -> int | None:
+        """Width of C's band: 1 for the identity (no buffers), None for a BLT (not banded)."""
+        return 1 if self.num_buffers == 0 else None
+
+    @property
+    def state_rows(self) -> int:
+        """Rows of d floats the noise engine keeps: one per buffer."""
+        return self.num_buffers
+
+    def inverse_coefficients(self, n: int | None = None) -> np.ndarray:
+        """First column of C^{-1} for ``n`` steps (default the context's n_steps): the identity's
+        e_0, or the coefficients of the BLT of C^{-1} (Inv25; ``blt.inverse``)."""
+        n = self.participation.n_steps if n is None else int(n)
+        if self.num_buffers == 0:
+            column = np.zeros(n)
+            column[:1] = 1.0
+            return column
+        return blt.coefficients(blt.inverse(self.params), n)
+
+    def noise_row_norms_squared(self, n: int | None = None) -> np.ndarray:
+        """||row t of C^{-1}||^2 for t < n: the variance of each coordinate of step t's noise
+        C^{-1} z, per unit of (noise_multiplier * clip / normalization)^2; C^{-1} is Toeplitz, so
+        row t holds the first t + 1 inverse coefficients and this is their cumulative sum of squares."""
+        return np.cumsum(np.square(self.inverse_coefficients(n)))
+
+    def leading(self, participation: Participation, recipe) -> "Mechanism":
+        """The leading ``participation.n_steps`` rows of C as a mechanism of ``recipe`` for that
+        context (``PrefixStrategy``): the same coefficients, the sensitivity recomputed."""
+        if self.num_buffers == 0:
+            identity = identity_strategy().resolve(participation)
+            return Mechanism(recipe=recipe, participation=participation, theta=identity.theta, omega=identity.omega,
+                             sensitivity=identity.sensitivity, max_loss=identity.max_loss,
+                             mean_loss=identity.mean_loss)
+        return mechanism_from_blt(self.params, participation, recipe=recipe)
+
+    def streaming_description(self) -> dict:
+        """The plain arrays the noise engine streams C^{-1} from (``inverse_from_description``)."""
+        if self.num_buffers == 0:
+            return {"kind": "identity"}
+        return {"kind": "blt", "omega": [float(v) for v in self.omega],
+                "one_minus_theta": [float(v) for v in self.one_minus_theta]}
+
+    @property
     def one_minus_theta(self) -> np.ndarray:
         """1 - theta, exact in float64 (and exactly representable in float32)."""
         out = 1.0 - self.theta
@@ -129,6 +172,8 @@ def _context(n_steps, min_sep, max_participations) -> Participation:
 @dataclass(frozen=True)
 class IdentityStrategy:
     """C = I: independent Gaussian noise at every step (DP-SGD), zero buffers."""
+
+    bands = 1  # C = I is banded with one band (Band23 Thm 4 applies)
 
     def resolve(self, n_steps, min_sep: int = 1, max_participations: int | None = None) -> Mechanism:
         ctx = _context(n_steps, min_sep, max_participations)

@@ -49,7 +49,7 @@ import optree
 import torch
 from torch import nn
 
-from opake._checks import positive_finite
+from opake.dpftrl.clipping import clipping_rule
 from opake.torch.per_example.bookkeeping import ClippedPass, LayerCall, clip_forward_pass, sum_dtype
 from opake.torch.per_example.errors import ClipperUsageError, UnhookedUseError, UnsupportedModuleError
 from opake.torch.per_example.model import HookedLayer, describe, plan_model
@@ -128,7 +128,8 @@ class PerExampleClipper:
       module: the model. Its trainable parameters (``requires_grad=True`` at construction) are
         clipped together; frozen ones get no hooks and are not in the result.
       max_grad_norm: the bound C (> 0, finite) on each example's gradient norm over all
-        trainable parameters together.
+        trainable parameters together, or a clipping rule value (``FlatClipping(C)``; a rule's
+        ``sensitivity`` is the bound).
       loss_reduction: ``"mean"`` when the loss is the mean of the examples' losses over the
         batch dimension (the gradients are rescaled by the batch size to get each example's own
         gradient), ``"sum"`` when it is their sum.
@@ -140,7 +141,8 @@ class PerExampleClipper:
     def __init__(self, module: nn.Module, max_grad_norm: float, loss_reduction: str = "mean"):
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
-        self.max_grad_norm = positive_finite("max_grad_norm", max_grad_norm)
+        self.rule = clipping_rule(max_grad_norm)  # a bound C is FlatClipping(C)
+        self.max_grad_norm = self.rule.sensitivity
         if loss_reduction not in LOSS_REDUCTIONS:
             raise ValueError(
                 f"loss_reduction must be one of {LOSS_REDUCTIONS} (how the loss combines the examples' "
@@ -521,7 +523,7 @@ class PerExampleClipper:
                     full_precision.enter_context(torch.autocast(device, enabled=False))
                 clipped: ClippedPass = clip_forward_pass(
                     calls,
-                    max_grad_norm=self.max_grad_norm,
+                    max_grad_norm=self.rule,
                     mean=self.loss_reduction == "mean",
                     shared=self._plan.shared,
                     batch_size=forward_pass.batch_size,

@@ -6,7 +6,7 @@ supplies that participation (min_sep = b, max_participations = k) to an unbound
 ``mf_gaussian`` and prices the run:
 
 * ``method="rigorous"``: the unamplified single-Gaussian bound for that participation
-  (MATH.md section 6). A proven upper bound; it ignores the randomness of the bin assignment.
+  (docs/math.md section 6). A proven upper bound; it ignores the randomness of the bin assignment.
 * ``method="amplified"`` (``"rdp"`` is its old name, still accepted): a rigorous *amplified* bound
   of the dominating pair, per direction the better of Renyi divergences (``allocation/rdp.py``)
   and direct hockey-stick bounds (``allocation/hockey_stick.py``; derivations in
@@ -14,12 +14,12 @@ supplies that participation (min_sep = b, max_participations = k) to an unbound
   a BLT and the identity).
 * ``method="allocation_pld"``: for *orthogonal bins* (C >= 0 with c_l = 0 for every lag l not
   divisible by b; the identity strategy, i.e. DP-SGD), the privacy loss distribution of random
-  allocation with pessimistic discretization (``allocation/pld.py``, docs/allocation_pld.md),
-  capped by the unamplified bound. Refused for other strategies.
+  allocation with pessimistic discretization (``allocation/pld.py``, docs/allocation_pld.md) and
+  the amplified bound's Renyi divergences of the same pair, per direction the smaller, capped by
+  the unamplified bound (about 1 to 3 s for 100 bins). Refused for other strategies.
 * default (``method=None``): the tightest bound proven for adaptively chosen gradients
-  (docs/adaptivity.md). Orthogonal bins: the allocation PLD and the amplified bound, per
-  direction the smaller, capped by the unamplified bound (about 1 to 3 s for 100 bins); every
-  other strategy (a BLT, BandMF with several bands): "rigorous".
+  (docs/adaptivity.md): ``"allocation_pld"`` for orthogonal bins, ``"rigorous"`` for every other
+  strategy (a BLT, BandMF with several bands). The process says which (``process.method``).
 * For a strategy whose bins interact, ``method="amplified"`` prices the aligned dominating pair
   (the same unit gradient at every participation). That pair is not proven to dominate
   adaptively chosen gradients (nor fixed gradients of varying directions): building it emits
@@ -32,13 +32,14 @@ Adaptively chosen gradients: docs/adaptivity.md says which of these bounds are p
 
 from __future__ import annotations
 
-import numbers
 import warnings
 from dataclasses import dataclass
 
+from opake._checks import integer_at_least
 from opake.dpftrl.accounting.allocation.bin_gram import has_non_negative_entries
-from opake.dpftrl.accounting.gaussian import MFGaussian
+from opake.dpftrl.accounting.gaussian import MFGaussian, mf_gaussian
 from opake.dpftrl.accounting.allocation.monte_carlo import BallsInBinsMonteCarlo, monte_carlo
+from opake.dpftrl.accounting.methods import AccountingMethod
 from opake.dpftrl.noise.priced import PricedNoise
 from opake.dpftrl.accounting.allocation.pld import BallsInBinsPLD, allocation_pld, orthogonal_bins
 from opake.dpftrl.accounting.allocation.rdp import BallsInBinsRDP, rdp_allocation
@@ -73,6 +74,7 @@ class BallsInBins:
     n_steps: int
 
     is_guarantee = True
+    method = AccountingMethod.RIGOROUS
 
     @property
     def mechanism(self):
@@ -107,16 +109,18 @@ class BallsInBins:
         return self.bound.delta_at(epsilon)
 
 
-def _positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
-    return int(value)
-
-
 def _orthogonal(rigorous: BallsInBins) -> bool:
     return orthogonal_bins(rigorous.mechanism.toeplitz_coefficients(rigorous.n_steps), rigorous.num_bins)
+
+
+def proven_method(strategy, num_bins: int, n_steps: int) -> AccountingMethod:
+    """``balls_in_bins``' default method for ``strategy`` on these bins: the tightest bound proven
+    for adaptively chosen gradients (``"allocation_pld"`` for orthogonal bins, else ``"rigorous"``)."""
+    max_participations = -(-n_steps // num_bins)
+    rigorous = BallsInBins(mf_gaussian(1.0, strategy).bind(n_steps, num_bins, max_participations), num_bins, n_steps)
+    if has_non_negative_entries(rigorous) and _orthogonal(rigorous):
+        return AccountingMethod.ALLOCATION_PLD
+    return AccountingMethod.RIGOROUS
 
 
 def balls_in_bins(
@@ -156,8 +160,8 @@ def balls_in_bins(
             "inner must be unbound: build it as mf_gaussian(noise_multiplier, strategy) without "
             f"n_steps; balls_in_bins supplies the participation (got {inner.participation})"
         )
-    n_steps = _positive_int("n_steps", n_steps)
-    num_bins = _positive_int("num_bins", num_bins)
+    n_steps = integer_at_least("n_steps", n_steps)
+    num_bins = integer_at_least("num_bins", num_bins)
     if num_bins > n_steps:
         raise ValueError(
             f"num_bins must be <= n_steps ({n_steps}), got {num_bins}; with more bins than steps "
@@ -178,9 +182,8 @@ def balls_in_bins(
     max_participations = -(-n_steps // num_bins)
     rigorous = BallsInBins(inner.bind(n_steps, num_bins, max_participations), num_bins, n_steps)
     if method is None:
-        if has_non_negative_entries(rigorous) and _orthogonal(rigorous):
-            return allocation_pld(rigorous, rdp_allocation(rigorous))
-        return rigorous
+        proven = has_non_negative_entries(rigorous) and _orthogonal(rigorous)
+        method = "allocation_pld" if proven else "rigorous"
     if method == "rigorous":
         return rigorous
     if method == "amplified":
@@ -188,7 +191,8 @@ def balls_in_bins(
             warnings.warn(UNPROVEN_ADVICE, UnprovenAmplificationWarning, stacklevel=2)
         return rdp_allocation(rigorous)
     if method == "allocation_pld":
-        return allocation_pld(rigorous)
+        proven = has_non_negative_entries(rigorous) and _orthogonal(rigorous)
+        return allocation_pld(rigorous, rdp_allocation(rigorous) if proven else None)  # refuses unless proven
     return monte_carlo(
         rigorous,
         num_samples=100_000 if num_samples is None else num_samples,

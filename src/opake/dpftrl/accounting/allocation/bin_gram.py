@@ -2,7 +2,7 @@
 
 Balls-in-bins with num_bins = b processes bin j at the steps t = j, j + b, j + 2b, ... < n;
 X is the n x b matrix of those indicators and m_j = C x_j is what one unit in bin j adds to
-C G. The amplified dominating pair of MATH.md section 6 depends on C only through G (b x b),
+C G. The amplified dominating pair of docs/math.md section 6 depends on C only through G (b x b),
 never on n, which is what makes its Monte Carlo and Renyi computations cheap.
 
 For lower-triangular Toeplitz C with first column c, every m_j is a shift of one vector:
@@ -67,7 +67,7 @@ def _cached_gram(coefficients: np.ndarray, num_bins: int) -> np.ndarray:
 def bin_gram_of_run(rigorous, method: str) -> np.ndarray:
     """G for a balls-in-bins run (its resolved mechanism), refusing C with negative entries.
 
-    The amplified dominating pair (MATH.md section 6) puts every step's gradient in the same
+    The amplified dominating pair (docs/math.md section 6) puts every step's gradient in the same
     direction, which is the worst case only when C >= 0 entrywise; for a Toeplitz C that means
     every coefficient c_k >= 0 (true for a BLT inside the min-sep preconditions). The result is
     read-only and shared between runs with the same strategy coefficients and bins (cached).

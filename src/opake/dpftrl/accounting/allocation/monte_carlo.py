@@ -1,6 +1,6 @@
 """Monte Carlo estimate of balls-in-bins amplification for a matrix-factorization run.
 
-Dominating pair (MATH.md section 6, after NearExact25 and BnB25): with M = C X the bin columns
+Dominating pair (docs/math.md section 6, after NearExact25 and BnB25): with M = C X the bin columns
 m_j = C x_j and sigma the noise multiplier (clip norm 1),
 
     P = N(0, sigma^2 I_n),    Q = (1/b) sum_j N(m_j, sigma^2 I_n).
@@ -36,6 +36,7 @@ import numpy as np
 from opake.accounting.confidence import kl_lower_bound, kl_upper_bound
 from opake.accounting.process import check_delta, check_epsilon, smallest_epsilon
 from opake.dpftrl.accounting.allocation.bin_gram import bin_gram_of_run
+from opake.dpftrl.accounting.methods import AccountingMethod
 from opake.dpftrl.noise.priced import PricedNoise
 
 _CHUNK_ENTRIES = 1 << 21  # samples x bins per chunk (16 MiB of float64)
@@ -134,6 +135,7 @@ class BallsInBinsMonteCarlo:
     add_losses: np.ndarray  # L under P, sorted ascending
 
     is_guarantee = False
+    method = AccountingMethod.MONTE_CARLO
 
     @property
     def priced_noise(self) -> PricedNoise:

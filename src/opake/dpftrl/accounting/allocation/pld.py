@@ -43,6 +43,7 @@ from opake.accounting.process import certified_epsilon, check_delta, check_epsil
 from opake.dpftrl.accounting.allocation import hockey_stick, pld_grid
 from opake.dpftrl.accounting.allocation.bin_gram import bin_gram_matrix
 from opake.dpftrl.accounting.allocation.rdp import PricesLikeTheUnamplifiedBound, rdp_delta, rdp_epsilon
+from opake.dpftrl.accounting.methods import AccountingMethod
 
 RESOLUTION = 1e-3
 MAX_GRID = 1 << 19
@@ -285,6 +286,7 @@ class BallsInBinsPLD(PricesLikeTheUnamplifiedBound):
     _tables: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     is_guarantee = True
+    method = AccountingMethod.ALLOCATION_PLD
 
     @property
     def description(self) -> str:

@@ -1,6 +1,6 @@
 """A rigorous amplified bound for balls-in-bins through Renyi divergences (``method="amplified"``).
 
-Derivation in docs/balls_in_bins_rdp.md (after SK26; formulas re-derived in MATH.md section 6).
+Derivation in docs/balls_in_bins_rdp.md (after SK26; formulas re-derived in docs/math.md section 6).
 With G the Gram matrix of C's bin columns and sigma the noise multiplier (clip 1), for integer
 orders alpha >= 2:
 
@@ -41,6 +41,7 @@ from scipy.special import gammaln
 from opake.accounting.process import certified_epsilon, check_delta, check_epsilon, smallest_epsilon
 from opake.dpftrl.accounting.allocation import factor, hockey_stick
 from opake.dpftrl.accounting.allocation.bin_gram import bin_gram_of_run
+from opake.dpftrl.accounting.methods import AccountingMethod
 from opake.dpftrl.noise.priced import PricedNoise
 
 MAX_ORDER = 256
@@ -312,6 +313,7 @@ class BallsInBinsRDP(PricesLikeTheUnamplifiedBound):
     factor_tables: tuple = ()
 
     is_guarantee = True
+    method = AccountingMethod.AMPLIFIED
 
     def _cached(self, name: str, build):
         value = self.__dict__.get(name)

@@ -53,6 +53,7 @@ from opake.dpftrl.noise.engine.correlated_noise import validated_arguments
 from opake.dpftrl.noise.engine.layout import Layout, path_text
 from opake.dpftrl.noise.engine.pages import OutputVectors
 from opake.dpftrl.noise.engine.state import NoiseState
+from opake.dpftrl.noise.engine.variance import step_noise_variance
 from opake.dpftrl.noise.engine.streaming import streaming_inverse
 from opake.random import RngKey
 from opake.types import ClippedPytree, NoisedPytree
@@ -159,7 +160,8 @@ class GatheredNoise(PieceStage):
         headers = [struct.unpack("<qqdq", bytes(slots[r, :_HEADER_BYTES].cpu().numpy()))
                    for r in range(self.world_size)]
         self._agree(headers, failure)
-        return NoisedPytree(pytree=self._unpack(slots), step=step), new_state
+        variance = step_noise_variance(self.mechanism, step, headers[0][2])  # rank 0's scale, as every rank's
+        return NoisedPytree(pytree=self._unpack(slots), step=step, noise_variance=variance), new_state
 
     def _agree(self, headers, failure) -> None:
         failed = [r for r, h in enumerate(headers) if h[3] != 0 or h[0] != _TAG]

@@ -28,6 +28,7 @@ from opake.dpftrl.noise.distributed.pieces import Piece
 from opake.dpftrl.noise.distributed.stage import PieceStage
 from opake.dpftrl.noise.engine.layout import path_text
 from opake.dpftrl.noise.engine.state import NoiseState
+from opake.dpftrl.noise.engine.variance import step_noise_variance
 from opake.dpftrl.noise.engine.streaming import streaming_inverse
 from opake.random import RngKey
 from opake.types import ClippedPytree, NoisedPytree
@@ -103,7 +104,8 @@ class ShardNoise(PieceStage):
             outputs = [torch.empty(piece.length, dtype=piece.slot.dtype, device=self.device) for piece in self.pieces]
             step = state.step
             new_state = self.run(state, gradients, outputs, scale)
-            return NoisedPytree(pytree=self.layout.treespec.unflatten(outputs), step=step), new_state
+            return (NoisedPytree(pytree=self.layout.treespec.unflatten(outputs), step=step,
+                                 noise_variance=step_noise_variance(self.mechanism, step, scale)), new_state)
 
 
 def shard_mf_gaussian_noise(

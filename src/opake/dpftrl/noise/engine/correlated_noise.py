@@ -65,6 +65,7 @@ from opake.dpftrl.noise.engine.layout import Layout, path_text
 from opake.dpftrl.noise.engine.pages import OutputVectors
 from opake.dpftrl.noise.engine.plan import plan_step
 from opake.dpftrl.noise.engine.state import check_state_for, NoiseState
+from opake.dpftrl.noise.engine.variance import step_noise_variance
 from opake.dpftrl.noise.engine.streaming import streaming_inverse
 from opake.dpftrl.noise.priced import check_noise_priced
 from opake._checks import positive_finite
@@ -262,7 +263,8 @@ class CorrelatedNoise:
             for index, piece in zip(members, flats[dtype].split(sizes)):
                 shape = self.layout.leaves[index].shape
                 outputs[index] = piece if piece.shape == shape else piece.view(shape)
-        return NoisedPytree(pytree=self.layout.treespec.unflatten(outputs), step=step), state.advanced()
+        return (NoisedPytree(pytree=self.layout.treespec.unflatten(outputs), step=step,
+                             noise_variance=step_noise_variance(self.mechanism, step, scale)), state.advanced())
 
     def _advance(self, plan, leaves, flats, scratch, buffers, step: int, scale: float, sampler) -> None:
         """Fill x with z, turn it into x_t, fold it into the buffers, write gradient + scale x."""

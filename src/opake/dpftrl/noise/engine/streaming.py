@@ -7,7 +7,7 @@ rows it needs and how to advance them. Each strategy family resolves to one:
 
 - :class:`IdentityInverse` (C = I, DP-SGD): no buffers, x_t = z_t.
 - :class:`BufferedInverse` (BLT, BLT24 / UseBLT24 Alg. 2): B decaying buffers of past outputs,
-  using C's own parameters (theta, omega); MATH.md section 2.
+  using C's own parameters (theta, omega); docs/math.md section 2.
 - :class:`BandedInverse` (BandMF, Band23): a ring of the last ``bands - 1`` outputs.
 
 Every one is elementwise across the d columns: column j of the buffers only ever meets element
@@ -17,8 +17,8 @@ Protocol: ``coefficients(dtype, device)`` once per engine (whatever does not cha
 step ``at_step(coefficients, step)`` (the step's small coefficient tensors, computed once and
 shared by every stretch of columns) and ``advance(x, buffers, step_coefficients)`` on each
 stretch. A new strategy family plugs in by adding a class with these members plus
-``num_buffers``, ``check_dtype`` and ``describe``, and one branch in :func:`streaming_inverse`;
-the engine core stays as it is.
+``num_buffers``, ``check_dtype`` and ``describe``, one kind in :func:`inverse_from_description`,
+and a mechanism whose ``streaming_description()`` names it; the engine core stays as it is.
 """
 
 from __future__ import annotations
@@ -65,9 +65,9 @@ class IdentityInverse:
 
 @dataclass(frozen=True)
 class BufferedInverse:
-    """x = C^{-1} z for a BLT C with decays theta and output scales omega (MATH.md section 2).
+    """x = C^{-1} z for a BLT C with decays theta and output scales omega (docs/math.md section 2).
 
-    Recurrence (MATH.md section 2, C^{-1} with C's own parameters), per column:
+    Recurrence (docs/math.md section 2, C^{-1} with C's own parameters), per column:
         x_t = z_t - sum_i omega_i S_i ;   then S_i <- theta_i S_i + x_t.
 
     Stored form. Applied literally that is three passes over the (B, n) buffers per step (sum,
@@ -105,7 +105,7 @@ class BufferedInverse:
         if not (np.all(np.isfinite(omega)) and np.all(np.isfinite(one_minus_theta))):
             raise ValueError("BLT parameters must be finite; got theta={theta}, omega={omega}".format(
                 theta=theta.tolist(), omega=omega.tolist()))
-        # The preconditions under which the resolved sensitivity is valid (MATH.md section 4):
+        # The preconditions under which the resolved sensitivity is valid (docs/math.md section 4):
         # outside them the accounting does not describe the noise this engine would add.
         if np.any(one_minus_theta < 0.0) or np.any(one_minus_theta > 1.0):
             raise ValueError(
@@ -271,21 +271,11 @@ def _powers(log_theta: np.ndarray, exponents) -> np.ndarray:
 def streaming_inverse(mechanism):
     """The streaming inverse for a resolved :class:`~opake.dpftrl.strategies.strategy.Mechanism`.
 
-    Reads only plain arrays from the mechanism: a banded one (a ``coefs`` attribute that is not
-    None, the first column of C) streams with :class:`BandedInverse`; zero buffers is the
-    identity; otherwise a BLT from ``omega`` and ``one_minus_theta``. Raises ValueError when the
-    parameters violate the preconditions the sensitivity was computed under.
+    Reads only the plain arrays the mechanism states (``mechanism.streaming_description()``: the
+    identity, a BLT's ``omega`` and ``one_minus_theta``, or a banded C's first column). Raises
+    ValueError when the parameters violate the preconditions the sensitivity was computed under.
     """
-    coefs = getattr(mechanism, "coefs", None)
-    if coefs is not None:
-        return BandedInverse(tuple(np.asarray(coefs, dtype=np.float64).reshape(-1)))
-    omega = np.asarray(mechanism.omega, dtype=np.float64).reshape(-1)
-    theta = np.asarray(mechanism.theta, dtype=np.float64).reshape(-1)
-    if omega.size == 0 and theta.size == 0:
-        return IdentityInverse()
-    one_minus_theta = getattr(mechanism, "one_minus_theta", None)
-    one_minus_theta = 1.0 - theta if one_minus_theta is None else np.asarray(one_minus_theta, dtype=np.float64)
-    return BufferedInverse(tuple(omega), tuple(one_minus_theta))
+    return inverse_from_description(mechanism.streaming_description())
 
 
 def inverse_from_description(description: dict):
