@@ -165,7 +165,7 @@ def worker(rank: int, world_size: int, init_file: str, out_dir: str, foreign_che
     dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank, world_size=world_size)
     results = {}
     try:
-        for ownership in ("tensors", "blocks"):
+        for ownership in ("tensors", "blocks", "even"):
             noise_fn, state = build(ownership)
             results[f"{ownership}_buffers"] = tuple(state.buffers.shape)
             results[f"{ownership}_map"] = noise_fn.ownership

@@ -61,7 +61,7 @@ def assert_trees_equal(got, expected):
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
-@pytest.mark.parametrize("ownership", ["tensors", "blocks"])
+@pytest.mark.parametrize("ownership", ["tensors", "blocks", "even"])
 def test_every_rank_gets_the_single_process_noise_bit_for_bit(runs, reference, world_size, ownership):
     for rank_results in runs[world_size]:
         for got, expected in zip(rank_results[ownership], reference):
@@ -69,7 +69,7 @@ def test_every_rank_gets_the_single_process_noise_bit_for_bit(runs, reference, w
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
-@pytest.mark.parametrize("ownership", ["tensors", "blocks"])
+@pytest.mark.parametrize("ownership", ["tensors", "blocks", "even"])
 def test_each_rank_keeps_buffers_only_for_what_it_owns(runs, world_size, ownership):
     layout = Layout.from_template(workers.template())
     num_buffers = 3
@@ -79,8 +79,11 @@ def test_each_rank_keeps_buffers_only_for_what_it_owns(runs, world_size, ownersh
     assert sum(owned) == layout.size
     # Blocks balance to within one noise block of an equal share; whole tensors cannot split the
     # 2**20-element leaf, so its owner holds it and the others share the rest.
+    # An even split holds ceil(d / W) on every rank but maybe the last.
     if ownership == "blocks":
         assert max(owned) <= layout.size / world_size + 2**20
+    elif ownership == "even":
+        assert max(owned) == -(-layout.size // world_size) and min(owned) >= layout.size - (world_size - 1) * max(owned)
     else:
         assert max(owned) == 2**20 + 3000
 
@@ -94,7 +97,7 @@ def test_resume_from_each_ranks_checkpoint_continues_the_identical_stream(runs, 
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
-@pytest.mark.parametrize("stage", ["tensors", "blocks", "shards"])
+@pytest.mark.parametrize("stage", ["tensors", "blocks", "even", "shards"])
 def test_released_leaves_own_exactly_their_bytes(runs, world_size, stage):
     """Every noised leaf, in each ownership mode and from the FSDP-style stage, with float32 and
     bfloat16 leaves, owns a storage of exactly its values: torch.save of one leaf writes no
@@ -178,7 +181,7 @@ def test_without_a_process_group_the_error_says_to_initialize_one():
 
 
 def test_bad_arguments_are_refused_before_any_collective():
-    with pytest.raises(ValueError, match=r"ownership must be one of \('tensors', 'blocks'\)"):
+    with pytest.raises(ValueError, match=r"ownership must be one of \('tensors', 'blocks', 'even'\)"):
         sharded_mf_gaussian_noise(workers.template(), workers.strategy(), n_steps=3, noise_multiplier=1.0,
                                   key=key(0), ownership="rows")
     tmpl = {"w": torch.zeros(10)}
@@ -203,7 +206,7 @@ def test_bad_arguments_are_refused_before_any_collective():
 
 def test_ownership_maps_are_deterministic_and_cover_every_element():
     layout = Layout.from_template(workers.template())
-    for mode in ("tensors", "blocks"):
+    for mode in ("tensors", "blocks", "even"):
         for world_size in (1, 2, 3, 4, 8):
             ranges = ownership_map(layout, world_size, mode)
             assert ranges == ownership_map(layout, world_size, mode) and len(ranges) == world_size

@@ -436,6 +436,12 @@ def test_bad_privacy_units_are_refused(monkeypatch):
     with pytest.raises(ValueError, match="3 privacy units.*batch_size=4.*counts users"):
         _plan_with([0, 1, 2, 0, 1, 2, 0, 1, 2, 0], batch_size=4)
     monkeypatch.setattr(private_module, "_rank_and_world", lambda group: (0, 2))
+
+    def agree_alone(group, world_size, failure=None, **shared):  # no process group: this rank's verdict only
+        if failure is not None:
+            raise failure
+
+    monkeypatch.setattr(private_module, "agree", agree_alone)
     with pytest.raises(ValueError, match="torch.distributed"):
         _plan_with(list(range(10)))
 

@@ -224,6 +224,61 @@ def cyclic_poisson_bands(
         progress.close()
 
 
+@dataclass(frozen=True)
+class BandCandidate:
+    """One band count ``cyclic_poisson_bands``'s rule tried: ``bands`` groups (1: DP-SGD with
+    Poisson sampling), the served group's ``sample_rate``, the ``noise_multiplier`` meeting the
+    budget on the coarse ``CHOICE_DISCRETIZATION`` grid (a ranking value and a starting point,
+    not a running one: ``refine_band_candidate`` prices it on the rows' grid), its prefix-sum
+    ``rmse``, and the (sigma, epsilon) ``evaluations`` of that calibration."""
+
+    bands: int
+    strategy: object
+    sample_rate: float
+    noise_multiplier: float
+    rmse: float
+    evaluations: tuple
+
+
+def band_candidates(
+    num_examples: int,
+    batch_size: int,
+    epochs: int,
+    epsilon: float,
+    delta: float,
+    *,
+    error: str = "max",
+    max_bands: int | None = None,
+    progress: bool | Progress | None = None,
+) -> tuple:
+    """The candidates of ``cyclic_poisson_bands`` (same rule, same order) as ``BandCandidate`` rows,
+    for callers that rank them on another error (``opake.torch.choice``); ``max_bands`` stops the
+    search there (a cap on the noise state, ``bands - 1`` floats per parameter)."""
+    run = DatasetRun(num_examples, batch_size, epochs)
+    progress = Progress.of(progress)
+    try:
+        candidates = _band_candidates(run, epsilon_budget(epsilon, delta), _check_error(error), progress, max_bands)
+    finally:
+        progress.close()
+    return tuple(
+        BandCandidate(bands, identity_strategy() if bands == 1 else band_mf_strategy(bands=bands, error=error),
+                      run.batch_size * bands / run.num_examples, sigma, rmse, points)
+        for bands, sigma, rmse, points in candidates
+    )
+
+
+def refine_band_candidate(candidate: BandCandidate, n_steps: int, epsilon: float, delta: float, *,
+                          progress: bool | Progress | None = None):
+    """``candidate`` calibrated on the rows' grid (``PLD_DISCRETIZATION``), as ``plan_dataset``'s
+    BandMF and Poisson DP-SGD rows are: a ``CalibrationResult`` (1 to 3 evaluations)."""
+    progress = Progress.of(progress)
+    try:
+        return _refined(epsilon_budget(epsilon, delta), candidate.strategy, candidate.sample_rate, n_steps,
+                        candidate.noise_multiplier, candidate.evaluations, progress)
+    finally:
+        progress.close()
+
+
 def plan_dataset(
     num_examples: int,
     batch_size: int,
@@ -321,7 +376,7 @@ def _plan_dataset(run: DatasetRun, budget, max_buffers: int, error: str, progres
     return Plan(participation=ctx, epsilon=budget.epsilon, delta=budget.delta, rows=tuple(rows), dataset=run)
 
 
-def _band_candidates(run: DatasetRun, budget, error: str, progress: Progress) -> list:
+def _band_candidates(run: DatasetRun, budget, error: str, progress: Progress, max_bands: int | None = None) -> list:
     """(bands, noise multiplier, RMSE, coarse evaluations) of the candidates ``cyclic_poisson_bands``'s
     rule tries (the evaluations: the (sigma, epsilon) pairs its calibration evaluated).
 
@@ -332,7 +387,7 @@ def _band_candidates(run: DatasetRun, budget, error: str, progress: Progress) ->
     candidates = []
     effective = []  # the candidates' calibrated sigma / column norm (Band23 Thm 4's sigma_eff)
     bands, correction, slope = 1, 1.0, None
-    while bands <= max(1, run.num_bins // 2):
+    while bands <= max(1, run.num_bins // 2) and (max_bands is None or bands <= max_bands):
         q = run.batch_size * bands / run.num_examples
         strategy = identity_strategy() if bands == 1 else band_mf_strategy(bands=bands, error=error)
         compositions = -(-run.n_steps // bands)

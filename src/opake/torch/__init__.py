@@ -4,11 +4,17 @@
 target_delta=, max_grad_norm=)`` plans the run and returns the module, a ``DPOptimizer`` and a
 DataLoader for the user's unchanged loop (docs/torch.md); ``sampling=`` ("balls_in_bins" or
 "poisson") and ``amplification=`` choose the sampler and its proven accountant. ``fix_model`` / ``validate_model``
-deal with layers that mix examples (BatchNorm). ``opake.torch.per_example`` is the per-example
-clipping engine (hooks, ghost norms) underneath. Nothing below this package imports it.
+deal with layers that mix examples (BatchNorm) and recurrent layers (``DPLSTM``, ``DPGRU``,
+``DPRNN``: nn.LSTM's interface, clipped exactly). ``choose_mechanism`` compares the proven
+mechanisms at a budget (``opake.torch.choice``). ``PrivacyEngine``, ``BatchMemoryManager`` and
+``ModuleValidator`` take Opacus' calls (``opake.torch.opacus``, docs/from_opacus.md).
+``opake.torch.per_example`` is the per-example clipping engine (hooks, ghost norms) underneath.
+Nothing below this package imports it.
 """
 
-from opake.torch.opacus_compat import PrivacyEngine
+from opake.torch.opacus import BatchMemoryManager, ModuleValidator, PrivacyEngine
+from opake.torch.choice import MechanismChoice, choose_mechanism
+from opake.torch.recurrent import DPGRU, DPLSTM, DPRNN
 from opake.torch.loader import PlanExhaustedError, PlannedDataLoader, UnplannedBatchError
 from opake.torch.losses import UnsupportedLossError, token_mean_per_example
 from opake.torch.guard import DirectStepError, ForeignOptimizerError
@@ -18,7 +24,14 @@ from opake.torch.private import PrivateTraining, make_private
 from opake.torch.validation import ModelValidationError, fix_model, validate_model
 
 __all__ = [
+    "BatchMemoryManager",
+    "DPGRU",
+    "DPLSTM",
+    "DPRNN",
     "DPOptimizer",
+    "MechanismChoice",
+    "ModuleValidator",
+    "choose_mechanism",
     "DirectStepError",
     "ForeignOptimizerError",
     "ModelValidationError",

@@ -62,12 +62,14 @@ class GradientGuard:
     """Keeps autograd's gradients of ``parameters`` (name -> Parameter) out of ``.grad`` and
     refuses every optimizer step on them but the one ``stepping()`` allows.
 
-    ``wrapped`` is the optimizer given to ``make_private`` (named in its refusal). While
+    ``wrapped`` is the optimizer given to ``make_private`` (named in its refusal);
+    ``autograd_parameters`` (name -> tensor, default ``parameters``) are the tensors autograd
+    accumulates the gradients into (under FSDP2, the unsharded parameters). While
     ``collecting`` is on, autograd's gradients are summed per name into ``collected`` (for the
     coverage check); otherwise they are dropped.
     """
 
-    def __init__(self, parameters: dict, wrapped: torch.optim.Optimizer):
+    def __init__(self, parameters: dict, wrapped: torch.optim.Optimizer, autograd_parameters: dict | None = None):
         owned = [name for name, p in parameters.items() if _owner(p) is not None]
         if owned:
             raise ValueError(
@@ -75,14 +77,15 @@ class GradientGuard:
                 f"(private.detach()) before planning a new one on them"
             )
         _install_step_hook()
-        self._names = {id(p): name for name, p in parameters.items()}
+        accumulating = parameters if autograd_parameters is None else autograd_parameters
+        self._names = {id(p): name for name, p in accumulating.items()}
         self._wrapped = weakref.ref(wrapped)
         self._stepping = False
         self.collecting = False
         self.collected: dict[str, torch.Tensor] = {}
-        self._handles = [p.register_post_accumulate_grad_hook(self._take_grad) for p in parameters.values()]
+        self._handles = [p.register_post_accumulate_grad_hook(self._take_grad) for p in accumulating.values()]
         self_ref = weakref.ref(self)
-        for p in parameters.values():
+        for p in (*parameters.values(), *accumulating.values()):
             _GUARDED[p] = self_ref
 
     def _take_grad(self, parameter: torch.Tensor) -> None:

@@ -48,14 +48,17 @@ class PlannedBatches:
 
     ``sampler`` is the run's ``BallsInBinsSampler`` or ``CyclicPoissonSampler`` (or a
     ``UnitSampler`` over one); ``part`` is ``(rank, world_size)`` (this rank serves
-    ``sampler.part_of_batch(step, part)``).
+    ``sampler.part_of_batch(step, part)``); ``placeholder``: an empty part is served as one
+    placeholder row (sharded models, whose every rank must run each forward and backward).
     """
 
-    def __init__(self, sampler, n_steps: int, steps_per_epoch: int, part: tuple[int, int] = (0, 1)):
+    def __init__(self, sampler, n_steps: int, steps_per_epoch: int, part: tuple[int, int] = (0, 1),
+                 placeholder: bool = False):
         self.sampler = sampler
         self.n_steps = int(n_steps)
         self.steps_per_epoch = int(steps_per_epoch)
         self.part = part
+        self.placeholder = placeholder
 
     @property
     def epochs(self) -> int:
@@ -64,6 +67,13 @@ class PlannedBatches:
     def indices(self, step: int) -> list[int]:
         """This rank's part of batch ``step`` (dataset indices)."""
         return self.sampler.part_of_batch(step, self.part).tolist()
+
+    def served(self, step: int) -> list[int]:
+        """The rows the loader serves for step ``step``: this rank's part, or, when it is empty and
+        every rank must run a forward and backward (``placeholder``: a sharded model), example 0
+        as a placeholder whose clipped weight is 0 (``PerExampleClipper.expect_placeholder``)."""
+        rows = self.indices(step)
+        return [0] if self.placeholder and not rows else rows
 
     def units(self, step: int) -> list[int] | None:
         """The privacy unit of each row of ``indices(step)``, or None when the unit is the example."""
@@ -124,7 +134,7 @@ class _PassBatches(torch.utils.data.Sampler):
 
     def __iter__(self):
         self.steps = self.run.batches.pass_range(self.run.step, self.whole_run)
-        return (self.run.batches.indices(step) for step in self.steps)
+        return (self.run.batches.served(step) for step in self.steps)
 
     def __len__(self) -> int:
         try:

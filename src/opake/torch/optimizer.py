@@ -61,14 +61,15 @@ class DPOptimizer(torch.optim.Optimizer):
     parameters by name (the engine's template), ``max_grad_norm`` the clipping bound,
     ``normalization`` the constant divisor of the clipped sum, ``noise_multiplier`` the plan's
     sigma (read by Opacus-style scripts as ``optimizer.noise_multiplier``), ``reduction`` how the
-    sums meet across processes (``opake.torch.reduction``).
+    sums meet across processes (``opake.torch.reduction``), ``autograd_parameters`` the tensors
+    autograd accumulates into when they are not the parameters (FSDP's unsharded ones).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, run, clipper, parameters: dict, max_grad_norm: float,
-                 normalization: float, noise_multiplier: float, reduction=None):
+                 normalization: float, noise_multiplier: float, reduction=None, autograd_parameters=None):
         # Not Optimizer.__init__: the wrapped optimizer owns the groups and the state.
         self.original_optimizer = optimizer
-        self.guard = GradientGuard(parameters, optimizer)
+        self.guard = GradientGuard(parameters, optimizer, autograd_parameters)
         self.run = run
         self.clipper = clipper
         self.parameters = parameters
@@ -162,9 +163,14 @@ class DPOptimizer(torch.optim.Optimizer):
                 f"does not cover. Take one step per batch of private.data_loader, and plan the epochs the "
                 f"loop runs (make_private(..., epochs=...))"
             )
-        sums, examples = self._clipped_sums(step)
-        self.run.check(step, examples)
-        self._check_coverage_once(examples)
+        failure, sums, examples = None, None, 0
+        try:
+            sums, examples = self._clipped_sums(step)
+            self.run.check(step, examples)
+            self._check_coverage_once(examples)
+        except Exception as error:  # every rank learns of it before any collective of the step
+            failure = error
+        self.reduction.agree(step, failure)
         sums = self.reduction.reduce(sums)
         gradients = clipped({name: sums[name] / self.normalization for name in self.parameters},
                             l2_bound=self.max_grad_norm, normalization=self.normalization)
@@ -188,7 +194,8 @@ class DPOptimizer(torch.optim.Optimizer):
                     f"optimizer.step() was called without a backward pass since zero_grad(), but planned batch "
                     f"{step} has examples; run loss.backward() on that batch first"
                 ) from None
-        zeros = {name: torch.zeros_like(p, dtype=sum_dtype(p.dtype)) for name, p in self.parameters.items()}
+        zeros = {name: torch.zeros(p.shape, dtype=sum_dtype(p.dtype), device=p.device)
+                 for name, p in self.parameters.items()}
         return zeros, 0
 
     def _check_coverage_once(self, examples: int) -> None:

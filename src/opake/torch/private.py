@@ -20,11 +20,14 @@ optimizer (``opake.torch.guard``), builds the noise engine (checked against the 
 ``optimizer.step()``, a step past the plan raises ``PlanExhaustedError``).
 
 Under torch.distributed (initialized, world size > 1; or ``process_group=``) every rank
-builds the same plan from the same key, its data loader serves its part of every global
-batch (``batch[rank::world_size]``), and the replicated reduction (``opake.torch.reduction``)
-all-reduces the clipped sums and adds the noise once, each rank noising what it owns: the run
-equals one process on the same global batches. Pass the plain module, not
-``DistributedDataParallel(module)``.
+builds the same plan from the same key and must hold the same data set (checked), its data
+loader serves its part of every global batch (``batch[rank::world_size]``), and the run's
+reduction (``opake.torch.reduction``) forms the global clipped sum and adds the noise once:
+replicated (rank 0's weights broadcast to every rank; each rank noises the parameters it owns,
+``ownership``, and one all-gather shares them) or, for a module sharded with FSDP2's
+``fully_shard``, sharded (the sums reduce-scattered, each rank noising its own shards). Either
+equals one process on the same global batches with the same key. Pass the plain (or
+``fully_shard``-ed) module, not ``DistributedDataParallel(module)`` (docs/distributed.md).
 
 User-level privacy (``privacy_unit=ids``, one id per example): the protected unit is all the
 examples of one id (a user). Users are put in the bins (or Poisson groups), ``batch_size``
@@ -39,7 +42,7 @@ The checkpoint format is ``opake.torch.checkpoint``'s.
 
 from __future__ import annotations
 
-import secrets
+import hashlib
 import weakref
 
 import torch
@@ -47,25 +50,29 @@ from torch import nn
 
 import opake.accounting as acc
 from opake.dpftrl.accounting.methods import AccountingMethod
+from opake.dpftrl.noise.distributed.ownership import OWNERSHIP_MODES, balanced_ownership
+from opake.dpftrl.noise.engine.layout import Layout
 from opake.dpftrl.sampling import sampled_loader_options
 from opake.dpftrl.strategies.prefix import PrefixStrategy
-from opake.random import RngKey, key as make_key
+from opake.random import RngKey
 from opake.torch.checkpoint import FORMAT, VERSION, check_checkpoint, plan_record
 from opake.torch.loader import PlannedBatches, PlannedDataLoader
 from opake.torch.losses import PerExampleLoss, loss_form
 from opake.torch.optimizer import DPOptimizer
 from opake.torch.per_example import PerExampleClipper
 from opake.torch.planning import PrivacyPlan, plan_privacy, strategy_for_optimizer
-from opake.torch.reduction import Replicated, SingleProcess
+from opake.torch.ranks import agree, broadcast_module, dataset_digest, rank_and_world as _rank_and_world, shared_key
+from opake.torch.reduction import Replicated, Sharded, SingleProcess
 from opake.torch.run import PrivateRun
 from opake.torch.validation import require_valid_model, trainable_parameters
 
 __all__ = ["PrivacyPlan", "PrivateTraining", "make_private", "strategy_for_optimizer"]
 
 _MARK = "_opake_private_training"
-# Single Gaussian bounds: sigma / sensitivity of the leading block, whose sensitivity grows with
-# the horizon (a pattern of t rows is one of t + 1 rows, and C >= 0 adds non-negative terms).
-_GROWS_WITH_THE_HORIZON = (AccountingMethod.RIGOROUS, AccountingMethod.GAUSSIAN)
+# Bounds that grow with the horizon: single Gaussians (sigma / sensitivity of the leading block,
+# whose sensitivity grows: a pattern of t rows is one of t + 1 rows, and C >= 0 adds non-negative
+# terms) and cyclic Poisson's PLD (ceil(t / g) compositions of one mechanism).
+_GROWS_WITH_THE_HORIZON = (AccountingMethod.RIGOROUS, AccountingMethod.GAUSSIAN, AccountingMethod.POISSON_PLD)
 
 
 class PrivateTraining:
@@ -89,6 +96,7 @@ class PrivateTraining:
         self._loader_options = loader_options
         self._loss_hooks = loss_hooks
         self._spent: dict = {}
+        self._reported: dict = {}  # delta -> the largest epsilon_spent reported (monotone bounds)
         self.data_loader = PlannedDataLoader(dataset, self.run, **loader_options)
 
     def run_data_loader(self) -> PlannedDataLoader:
@@ -127,8 +135,10 @@ class PrivateTraining:
         minimizes over orders and bounding routes), so without the later bounds the reported
         epsilon could fall from one step to the next. Before the first full cycle the cycle's
         bound is used: the first t steps are a post-processing of the first ``min_sep`` ones.
-        A single Gaussian bound (unamplified) grows with the horizon, so it is priced at every
-        step; the amplified ones at cycle ends only (one evaluation per epoch and delta, kept).
+        A single Gaussian bound (unamplified) and cyclic Poisson's composition grow with the
+        horizon (a longer prefix is a longer composition), so they are priced at the current step
+        only; the amplified balls-in-bins bounds at cycle ends (one evaluation per epoch and delta,
+        kept).
         ``delta`` defaults to the plan's.
         """
         delta = self.plan.delta if delta is None else acc.process.check_delta(delta)
@@ -139,9 +149,13 @@ class PrivateTraining:
         whole = self.plan.accountant.epsilon_at(delta)
         if steps >= n_steps:
             return whole
-        horizons = list(range(-(-max(steps, cycle) // cycle) * cycle, n_steps, cycle))  # later cycle ends
         if self.plan.accounting in _GROWS_WITH_THE_HORIZON:
-            horizons = [max(steps, cycle)]  # the later bounds are no smaller
+            # The later bounds are no smaller; the running maximum only shields the report from
+            # the last digits of a numerical bound (each value it keeps is itself a valid bound).
+            value = min(whole, self._prefix_epsilon(max(steps, cycle), delta))
+            value = self._reported[delta] = max(value, self._reported.get(delta, 0.0))
+            return value
+        horizons = range(-(-max(steps, cycle) // cycle) * cycle, n_steps, cycle)  # later cycle ends
         return min([whole] + [self._prefix_epsilon(horizon, delta) for horizon in horizons])
 
     def _prefix_epsilon(self, horizon: int, delta: float) -> float:
@@ -180,6 +194,7 @@ class PrivateTraining:
         self.module.load_state_dict(state_dict["module"])
         self.optimizer.load_state_dict(state_dict["optimizer"])
         self.run.restore(noise_state)
+        self._reported = {}
 
 
 def make_private(
@@ -202,6 +217,7 @@ def make_private(
     loss_reduction: str = "mean",
     progress: bool | None = None,
     privacy_unit=None,
+    ownership: str | None = None,
     **loader_options,
 ) -> PrivateTraining:
     """Plan a private run and return the module, optimizer and data loader that carry it out.
@@ -231,21 +247,38 @@ def make_private(
     priced by PLD) for ``strategy=band_mf_strategy(bands=g)`` (g groups) or
     ``identity_strategy()`` (DP-SGD with Poisson sampling, as in Opacus); the sample rate is
     ``batch_size * g / len(dataset)`` and must be at most 1. ``opake.torch.planning`` has the
-    details and calibration times.
+    details and calibration times. Under torch.distributed with a replicated model,
+    ``ownership`` chooses which rank noises which parameters ("tensors", "blocks", "even"; None:
+    whole tensors when they balance to within 10%, else an even split of the elements).
 
     Raises, before anything is modified, on a dataset too small for the batch size, an epsilon
     that cannot be met, an optimizer whose parameters are not the module's trainable
     parameters, layers that mix examples, Poisson sampling with a strategy it does not cover
     (a BLT, or no strategy given) and amplification for a strategy with negative entries.
     """
-    reduction = _check_attachable(module, optimizer, process_group, privacy_unit)
+    # Under torch.distributed every local refusal is shared before the next collective
+    # (opake.torch.ranks.agree): a rank that refused alone would leave the others waiting in it.
+    _, world_size = _rank_and_world(process_group)
+    reduction, failure = None, None
+    try:
+        reduction = _check_attachable(module, optimizer, process_group, privacy_unit, ownership)
+    except Exception as error:
+        failure = error
+    agree(process_group, world_size, failure, reduction=type(reduction).__name__,
+          dataset=dataset_digest(dataset) if world_size > 1 else None)
     parameters = trainable_parameters(module)
-    root_key = _shared_key(reduction) if key is None else key
-    plan = plan_privacy(num_examples=len(dataset), batch_size=batch_size, epochs=epochs, max_grad_norm=max_grad_norm,
-                        key=root_key, target_epsilon=target_epsilon, target_delta=target_delta,
-                        noise_multiplier=noise_multiplier, strategy=strategy, sampling=sampling,
-                        amplification=amplification, optimizer=optimizer, lr_scheduler=lr_scheduler,
-                        privacy_unit=privacy_unit, loss=loss_form(module, loss_reduction), progress=progress)
+    root_key = shared_key(reduction.process_group, reduction.world_size) if key is None else key
+    plan = None
+    try:
+        plan = plan_privacy(num_examples=len(dataset), batch_size=batch_size, epochs=epochs,
+                            max_grad_norm=max_grad_norm, key=root_key, target_epsilon=target_epsilon,
+                            target_delta=target_delta, noise_multiplier=noise_multiplier, strategy=strategy,
+                            sampling=sampling, amplification=amplification, optimizer=optimizer,
+                            lr_scheduler=lr_scheduler, privacy_unit=privacy_unit,
+                            loss=loss_form(module, loss_reduction), progress=progress)
+    except Exception as error:
+        failure = error
+    agree(process_group, world_size, failure, plan=None if plan is None else _plan_digest(plan))
     return attach(plan, module=module, optimizer=optimizer, dataset=dataset, parameters=parameters,
                   reduction=reduction, loss_reduction=loss_reduction, loader_options=loader_options)
 
@@ -253,6 +286,8 @@ def make_private(
 def attach(plan: PrivacyPlan, *, module: nn.Module, optimizer: torch.optim.Optimizer, dataset, parameters: dict,
            reduction, loss_reduction: str, loader_options: dict) -> PrivateTraining:
     """Carry out ``plan`` on ``module``: the noise engine, the hooks, the run and the private optimizer."""
+    if isinstance(reduction, Replicated):  # replicas start from rank 0's weights (opake.torch.ranks)
+        broadcast_module(module, reduction.process_group)
     engine_arguments = dict(
         n_steps=plan.n_steps, min_sep=plan.participation.min_sep,
         max_participations=plan.participation.max_participations, noise_multiplier=plan.noise_multiplier,
@@ -267,17 +302,27 @@ def attach(plan: PrivacyPlan, *, module: nn.Module, optimizer: torch.optim.Optim
     clipper = PerExampleClipper(module, max_grad_norm=plan.clipping, loss_reduction=loss_reduction)
     loss_hooks = PerExampleLoss(module, loss_reduction)
     batches = PlannedBatches(plan.sampler, plan.n_steps, plan.steps_per_epoch,
-                             part=(reduction.rank, reduction.world_size))
+                             part=(reduction.rank, reduction.world_size), placeholder=isinstance(reduction, Sharded))
     run = PrivateRun(batches, noise_fn, noise_state, clipper)
+    autograd_parameters = reduction.autograd_parameters(module, parameters)
     private_optimizer = DPOptimizer(optimizer, run=run, clipper=clipper, parameters=parameters,
-                                    max_grad_norm=plan.max_grad_norm, normalization=plan.expected_batch_size,
-                                    noise_multiplier=plan.noise_multiplier, reduction=reduction)
+                                    autograd_parameters=autograd_parameters, max_grad_norm=plan.max_grad_norm,
+                                    normalization=plan.expected_batch_size, noise_multiplier=plan.noise_multiplier,
+                                    reduction=reduction)
     private = PrivateTraining(module, private_optimizer, dataset, plan, loader_options, loss_hooks)
     setattr(module, _MARK, weakref.ref(private))
     return private
 
 
-def _check_attachable(module, optimizer, process_group, privacy_unit):
+def _plan_digest(plan: PrivacyPlan) -> str:
+    """What every rank's plan must share, as a short digest: horizon, participation, noise, the
+    resolved mechanism and the key."""
+    text = repr((plan.participation, plan.noise_multiplier, plan.max_grad_norm, str(plan.accounting),
+                 plan.accountant.priced_noise.mechanism.fingerprint, plan.key.hex()))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _check_attachable(module, optimizer, process_group, privacy_unit, ownership=None):
     """Refuse what cannot carry a plan (before planning); return the run's reduction."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
@@ -286,13 +331,14 @@ def _check_attachable(module, optimizer, process_group, privacy_unit):
             "pass the plain module, not DistributedDataParallel(module): make_private reduces the clipped "
             "per-example gradients across ranks itself (DDP would average unclipped gradients)"
         )
-    reduction = _reduction(process_group)
     _refuse_second_plan(module)
     if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(optimizer, DPOptimizer):
         raise TypeError(f"optimizer must be a plain torch.optim.Optimizer over the module's parameters, "
                         f"got {type(optimizer).__name__}")
     require_valid_model(module)
-    _check_optimizer_covers(optimizer, module, trainable_parameters(module))
+    parameters = trainable_parameters(module)
+    _check_optimizer_covers(optimizer, module, parameters)
+    reduction = _reduction(process_group, parameters, ownership)
     if privacy_unit is not None and reduction.world_size > 1:
         raise ValueError(
             "privacy_unit is not supported under torch.distributed: ranks serve their part of a batch row by "
@@ -302,32 +348,36 @@ def _check_attachable(module, optimizer, process_group, privacy_unit):
     return reduction
 
 
-def _reduction(process_group):
-    """How this process's clipped sums meet the others': one process, or every rank of the group."""
+def _reduction(process_group, parameters: dict, ownership: str | None):
+    """How this process's clipped sums meet the others': one process, every rank of the group with
+    the whole model (replicated), or every rank with a shard of each parameter (FSDP2)."""
     rank, world_size = _rank_and_world(process_group)
-    return SingleProcess() if world_size == 1 else Replicated(process_group, rank, world_size)
+    if any(_is_dtensor(p) for p in parameters.values()):
+        if ownership is not None:
+            raise ValueError("ownership= chooses who noises what in a replicated run; a sharded (FSDP2) model's "
+                             "ranks each noise their own shards: drop ownership=")
+        return Sharded(parameters, process_group, rank, world_size)
+    if world_size == 1:
+        return SingleProcess()
+    if ownership is None:
+        ownership = balanced_ownership(Layout.from_template(parameters), world_size)
+    if ownership not in OWNERSHIP_MODES:
+        raise ValueError(f"ownership must be None (balanced automatically) or one of {OWNERSHIP_MODES}, got "
+                         f"{ownership!r}")
+    return Replicated(process_group, rank, world_size, ownership, device=_device_of(parameters))
 
 
-def _rank_and_world(process_group) -> tuple[int, int]:
-    """(rank, world size) of ``process_group`` (the default group) when torch.distributed runs."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        if process_group is not None:
-            raise ValueError("process_group was given but torch.distributed is not initialized")
-        return 0, 1
-    return dist.get_rank(process_group), dist.get_world_size(process_group)
+def _device_of(parameters: dict):
+    """The device the reduction's collectives use: the parameters' (nccl needs CUDA tensors)."""
+    return next(iter(parameters.values())).device
 
 
-def _shared_key(reduction) -> RngKey:
-    """A fresh 128-bit key from the operating system, the same on every rank (rank 0's)."""
-    seed = [secrets.randbits(128)]
-    if reduction.world_size > 1:
-        import torch.distributed as dist
-
-        group = reduction.process_group
-        dist.broadcast_object_list(seed, src=dist.get_global_rank(group, 0) if group else 0, group=group)
-    return make_key(seed[0])
+def _is_dtensor(tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch built without distributed
+        return False
+    return isinstance(tensor, DTensor)
 
 
 def _check_optimizer_covers(optimizer, module, parameters: dict) -> None:

@@ -63,6 +63,8 @@ class PrivateRun:
         units = self.batches.units(step)
         if units is not None:
             self.clipper.expect_units(units)
+        if self.batches.placeholder:
+            self.clipper.expect_placeholder(not self.batches.indices(step))
         self.state = replace(self.state, served=step)
 
     def check(self, step: int, examples: int) -> None:

@@ -8,6 +8,15 @@ copy in which every BatchNorm layer is replaced by a GroupNorm over the same cha
 common replacement, as in Opacus' ModuleValidator.fix), leaving the caller's model untouched.
 Dropout needs no fix: in training mode each example draws its own mask, which is per-example
 randomness already.
+
+Recurrent layers are the other kind listed: ``nn.LSTM``/``nn.GRU``/``nn.RNN`` run a fused
+multi-step kernel, and the cells (``nn.LSTMCell``, ...) and Opacus' ``DPLSTM``/``DPGRU``/
+``DPRNN`` are one layer called at every time step; the per-example rules cannot split either
+gradient by example (the replay of a layer sees one call), so ``make_private`` refuses them
+before anything is hooked. ``fix_model`` replaces ``nn.LSTM``/``nn.GRU``/``nn.RNN`` and Opacus'
+``DPLSTM``/``DPGRU`` by ``opake.torch.DPLSTM``/``DPGRU``/``DPRNN`` with the same weights
+(``opake.torch.recurrent``: the same interface and outputs, gates in ``nn.Linear`` layers,
+clipped exactly); a cell has no drop-in replacement and stays listed.
 """
 
 from __future__ import annotations
@@ -18,10 +27,18 @@ import torch
 from torch import nn
 
 from opake.errors import OpakeError
+from opake.torch import recurrent
 
 __all__ = ["ModelValidationError", "fix_model", "validate_model"]
 
 _BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+# Opacus' recurrent layers, by qualified class name (opake never imports Opacus): what replaces them
+_OPACUS_RECURRENT = {"opacus.layers.dp_rnn.DPLSTM": recurrent.DPLSTM, "opacus.layers.dp_rnn.DPGRU": recurrent.DPGRU,
+                     "opacus.layers.dp_rnn.DPRNN": None}
+_RECURRENT_ADVICE = ("replace it by opake.torch.DPLSTM / DPGRU / DPRNN (nn.LSTM's interface, gates in nn.Linear "
+                     "layers, clipped exactly): model = opake.torch.fix_model(model) does it for nn.LSTM, nn.GRU, "
+                     "nn.RNN and Opacus' DPLSTM and DPGRU, keeping their weights; write a recurrence of cells with "
+                     "nn.Linear gates")
 
 
 class ModelValidationError(OpakeError, ValueError):
@@ -29,28 +46,50 @@ class ModelValidationError(OpakeError, ValueError):
 
 
 def validate_model(model: nn.Module) -> list[str]:
-    """Descriptions of the layers that mix examples (empty when the model is fine)."""
-    return [
-        f"{name or '<the model itself>'} ({type(layer).__name__}): batch statistics mix the examples "
-        f"of a batch, so no example has a gradient of its own"
-        for name, layer in model.named_modules()
-        if isinstance(layer, _BATCH_NORMS)
-    ]
+    """Descriptions of the layers per-example clipping cannot handle (empty when the model is fine):
+    layers that mix examples (BatchNorm) and recurrent layers whose gradient the rules cannot split."""
+    problems = []
+    for name, layer in model.named_modules():
+        where = f"{name or '<the model itself>'} ({type(layer).__name__})"
+        if isinstance(layer, _BATCH_NORMS):
+            problems.append(f"{where}: batch statistics mix the examples of a batch, so no example has a "
+                            f"gradient of its own; replace it with GroupNorm")
+        elif _is_recurrent(layer):
+            problems.append(f"{where}: a recurrent layer (a fused multi-step kernel, or one layer called at every "
+                            f"time step) whose gradient opake cannot split by example; {_RECURRENT_ADVICE}")
+    return problems
 
 
 def require_valid_model(model: nn.Module) -> None:
-    """Raise ModelValidationError naming every layer that mixes examples, with the fix."""
+    """Raise ModelValidationError naming every layer clipping cannot handle, with the fix."""
     problems = validate_model(model)
     if problems:
         raise ModelValidationError(
-            "per-example clipping needs per-example gradients, which these layers prevent: "
+            "per-example clipping needs each example's own gradient, which these layers prevent: "
             + "; ".join(problems)
-            + ". Replace them with GroupNorm: model = opake.torch.fix_model(model) (a fixed copy)"
+            + ". model = opake.torch.fix_model(model) returns a fixed copy (BatchNorm to GroupNorm; nn.LSTM, "
+            "nn.GRU, nn.RNN and Opacus' DPLSTM and DPGRU to opake's, same weights); build the optimizer after it"
         )
 
 
+def _is_recurrent(layer: nn.Module) -> bool:
+    if isinstance(layer, (nn.RNNBase, nn.RNNCellBase)):
+        return True
+    return any(f"{kind.__module__}.{kind.__qualname__}" in _OPACUS_RECURRENT for kind in type(layer).__mro__)
+
+
+def _replacement(layer: nn.Module) -> nn.Module | None:
+    """opake's recurrent layer for ``layer`` (same weights), or None when there is none."""
+    if type(layer) in (nn.LSTM, nn.GRU, nn.RNN):
+        return recurrent.from_module(layer)
+    kind = _OPACUS_RECURRENT.get(f"{type(layer).__module__}.{type(layer).__qualname__}")
+    return None if kind is None else recurrent.from_parameters(kind, layer)
+
+
 def fix_model(model: nn.Module, *, max_groups: int = 32) -> nn.Module:
-    """A copy of ``model`` with every BatchNorm layer replaced by ``GroupNorm``.
+    """A copy of ``model`` with every BatchNorm layer replaced by ``GroupNorm``, and every
+    ``nn.LSTM``/``nn.GRU``/``nn.RNN`` (and Opacus' ``DPLSTM``/``DPGRU``) by opake's recurrent layer
+    of the same interface and weights (``opake.torch.recurrent``).
 
     The group count is the largest divisor of the channel count that is at most ``max_groups``
     (32, as in the GroupNorm paper's default); affine layers keep ``eps`` and get GroupNorm's
@@ -58,7 +97,10 @@ def fix_model(model: nn.Module, *, max_groups: int = 32) -> nn.Module:
     """
     fixed = copy.deepcopy(model)
     for name, layer in list(fixed.named_modules()):
-        if isinstance(layer, _BATCH_NORMS):
+        replacement = _replacement(layer) if _is_recurrent(layer) else None
+        if replacement is not None:
+            _replace(fixed, name, replacement)
+        elif isinstance(layer, _BATCH_NORMS):
             replacement = nn.GroupNorm(
                 _groups(layer.num_features, max_groups), layer.num_features, eps=layer.eps, affine=layer.affine,
             )
@@ -74,6 +116,9 @@ def _groups(channels: int, max_groups: int) -> int:
 
 def _replace(root: nn.Module, name: str, replacement: nn.Module) -> None:
     if not name:
+        if isinstance(replacement, recurrent.DPLSTM | recurrent.DPGRU | recurrent.DPRNN):
+            raise ModelValidationError("the model itself is a recurrent layer: use opake.torch.recurrent.from_module"
+                                       "(model) for its replacement")
         raise ModelValidationError(
             "the model itself is a BatchNorm layer; there is nothing to train privately around it"
         )

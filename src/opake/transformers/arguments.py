@@ -99,7 +99,8 @@ _LOGS = ("logs are computed from the training data without noise (loss, token co
          "every tracker they go to, as private (docs/transformers.md)")
 _EVAL = "evaluation runs without gradients, so the per-example hooks record nothing; it never steps the plan"
 _SCRIPT = "read by training scripts, not by Trainer"
-_DISTRIBUTED = "used only under torch.distributed, which DPTrainer refuses (world_size)"
+_DISTRIBUTED = ("DistributedDataParallel's setting; DPTrainer keeps Trainer's DDP wrap from synchronizing gradients "
+                "(make_private reduces the clipped sums itself), so it has no effect")
 
 ARGUMENT_RULES: tuple[ArgumentRule, ...] = (
     # -- the privacy plan ------------------------------------------------------------------------
@@ -205,10 +206,16 @@ ARGUMENT_RULES: tuple[ArgumentRule, ...] = (
     _rule("deepspeed", "refuse",
           "DeepSpeed shards and reduces gradients itself, outside the per-example hooks and the noise engine",
           lambda v: v is None, "None"),
-    _rule("fsdp", "refuse",
-          "FSDP shards parameters and reduces unclipped gradients; use opake.torch.make_private under "
-          "torch.distributed (docs/distributed.md)", lambda v: not v, "None or empty"),
-    _rule("fsdp_config", "ignore", "used only with fsdp, refused"),
+    _rule("fsdp", "map",
+          "DPTrainer shards the model itself with FSDP2's fully_shard (each layer of fsdp_config's "
+          "transformer_layer_cls_to_wrap, or of the model's _no_split_modules, then the root) before planning, "
+          "so make_private runs sharded: clipped sums reduce-scattered, each rank noising its shards; Trainer "
+          "then leaves the model as it is (no second FSDP or DDP wrap)", where=FIELD),
+    _rule("fsdp_config", "map",
+          "transformer_layer_cls_to_wrap and reshard_after_forward are used; CPU offloading is refused (the "
+          "noise and the clipped sums stay on the parameters' device)",
+          lambda v: not (v or {}).get("cpu_offload") and not (v or {}).get("offload_params"),
+          "no cpu_offload / offload_params"),
     _rule("parallelism_config", "refuse",
           "tensor, context and sequence parallelism split examples or layers across devices, outside the "
           "per-example hooks", lambda v: v is None, "None"),
@@ -228,10 +235,11 @@ ARGUMENT_RULES: tuple[ArgumentRule, ...] = (
           "more than one visible GPU makes Trainer wrap the model in nn.DataParallel, whose per-GPU replicas "
           "are not the hooked layers; make one GPU visible (CUDA_VISIBLE_DEVICES)", lambda v: v <= 1, "0 or 1",
           PROPERTY),
-    _rule("world_size", "refuse",
-          "Trainer under torch.distributed wraps the model in DistributedDataParallel, which averages unclipped "
-          "gradients; run opake.torch.make_private in your own loop under torchrun (docs/distributed.md)",
-          lambda v: v == 1, "1", PROPERTY),
+    _rule("world_size", "map",
+          "under torchrun or accelerate launch the plan splits each planned batch across the ranks (make_private's "
+          "replicated run: the clipped sums are all-reduced and the noise added once); the planned batch is "
+          "per_device_train_batch_size x gradient_accumulation_steps x world_size; Trainer's DDP wrap is kept from "
+          "synchronizing gradients (no_sync), so it never averages unclipped ones", where=PROPERTY),
     _rule("mixed_precision", "refuse",
           "set from fp16/bf16 or the ACCELERATE_MIXED_PRECISION environment variable; fp16 is refused (see "
           "fp16)", lambda v: _plain(v) in ("no", "bf16"), "'no' or 'bf16'", PROPERTY),

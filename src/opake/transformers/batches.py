@@ -47,6 +47,20 @@ def micro_batches(batch, size: int, largest: int) -> list:
     return _cut(batch, size, [len(part) for part in torch.arange(size).tensor_split(parts)])
 
 
+def lockstep_micro_batches(batch, size: int, passes: int, placeholder_only: bool = False) -> list:
+    """``batch`` cut into exactly ``passes`` parts, for a sharded model whose ranks must all run
+    the same number of forward and backward passes: as many balanced parts as there are rows;
+    the passes beyond them (and every pass, with ``placeholder_only``: the batch is the rank's one
+    placeholder row) repeat row 0 as a placeholder. Returns ``(part, is_placeholder)`` pairs; the
+    caller has the clipper weigh each placeholder 0 (``expect_placeholder``)."""
+    if placeholder_only:
+        return [(_cut(batch, size, [1])[0], True) for _ in range(passes)]
+    real = min(size, passes)
+    parts = [(part, False) for part in _cut(batch, size, [len(p) for p in torch.arange(size).tensor_split(real)])]
+    filler = _cut(batch, size, [1, size - 1])[0] if size > 1 else batch
+    return parts + [(filler, True) for _ in range(passes - real)]
+
+
 def unit_micro_batches(batch, size: int, largest: int, units) -> list:
     """``batch`` cut along dimension 0 at unit boundaries: whole units packed in order into parts
     of at most ``largest`` rows (a unit with more rows is a part of its own). ``units`` is the

@@ -45,6 +45,7 @@ Trainer runs on a copy of the given TrainingArguments with ``gradient_accumulati
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import os
@@ -58,7 +59,8 @@ from transformers.utils import is_datasets_available
 
 from opake.torch import make_private
 from opake.transformers.arguments import CONSTRUCTOR_ARGUMENTS, UnsupportedTrainingArgumentError, check_arguments
-from opake.transformers.batches import EmptyBatchCollator, batch_size_of, micro_batches, unit_micro_batches
+from opake.transformers.batches import (EmptyBatchCollator, batch_size_of, lockstep_micro_batches, micro_batches,
+                                        unit_micro_batches)
 
 __all__ = ["CHECKPOINT_NAME", "DPTrainer", "PrivateTrainerMixin"]
 
@@ -114,16 +116,27 @@ class _EpochOfPlan(TrainerCallback):
 
 
 class _PrivateCheckpoint(TrainerCallback):
-    """Writes the private run's state (``opake_private.pt``) into each checkpoint folder Trainer
-    saves with its optimizer (not with ``save_only_model``), on the process that saves."""
+    """Writes the private run's state (``opake_private.pt``, one file per rank under
+    torch.distributed) into each checkpoint folder Trainer saves with its optimizer (not with
+    ``save_only_model``)."""
 
     def __init__(self, private):
         self.private = private
 
     def on_save(self, args, state, control, **kwargs):
-        if args.should_save and not args.save_only_model:
+        if not args.save_only_model:  # every rank: each holds its own part of the noise state
             folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
-            torch.save(self.private.state_dict(), os.path.join(folder, CHECKPOINT_NAME))
+            os.makedirs(folder, exist_ok=True)
+            torch.save(self.private.state_dict(), os.path.join(folder, checkpoint_name(args)))
+
+
+def checkpoint_name(args) -> str:
+    """``opake_private.pt`` in one process; ``opake_private-rank{r}-of-{W}.pt`` for rank r of W (each
+    rank's noise state is its own part)."""
+    if args.world_size == 1:
+        return CHECKPOINT_NAME
+    stem, extension = os.path.splitext(CHECKPOINT_NAME)
+    return f"{stem}-rank{args.process_index}-of-{args.world_size}{extension}"
 
 
 class PrivateTrainerMixin:
@@ -151,11 +164,14 @@ class PrivateTrainerMixin:
             raise TypeError(f"{type(self).__name__} needs model= (the model make_private hooks)")
         check_arguments(run_args, {name: arguments[name] for name in CONSTRUCTOR_ARGUMENTS if name in arguments})
         self.private_args = run_args
+        if run_args.fsdp:  # sharded here, before planning; Trainer then leaves the model as it is
+            _fully_shard(arguments["model"], run_args)
         arguments["args"] = dataclasses.replace(run_args, gradient_accumulation_steps=1, max_grad_norm=0.0,
-                                                ignore_data_skip=True)
+                                                ignore_data_skip=True, fsdp="", fsdp_config=None)
         super().__init__(**arguments)
         self.micro_batch_size = int(run_args.per_device_train_batch_size)
-        batch_size = self.micro_batch_size * int(run_args.gradient_accumulation_steps)
+        # Trainer's global batch: per device, times accumulation, times the processes (each serves its part)
+        batch_size = self.micro_batch_size * int(run_args.gradient_accumulation_steps) * int(run_args.world_size)
         dataset, collate = self._planned_dataset_and_collator(self.train_dataset)
         optimizer = self.create_optimizer()  # Trainer's (or the one passed in optimizers=)
         # The scheduler passed in optimizers=, or the one Trainer will build for the plan's length.
@@ -229,15 +245,31 @@ class PrivateTrainerMixin:
         size = batch_size_of(inputs)
         total = torch.zeros((), device=self.args.device)
         run = self.private.run
-        units = None if run.state.served is None else run.batches.units(run.state.served)
-        parts = (micro_batches(inputs, size, self.micro_batch_size) if units is None
-                 else unit_micro_batches(inputs, size, self.micro_batch_size, units))
-        for part in parts:
-            with self.compute_loss_context_manager():
-                loss = self.compute_loss(model, part)
-            self.accelerator.backward(loss)
-            total = total + loss.detach().float() * batch_size_of(part)
+        if run.batches.placeholder:  # sharded: every rank runs the same passes (FSDP's collectives)
+            parts = self._lockstep_parts(inputs, size)
+        else:
+            units = None if run.state.served is None else run.batches.units(run.state.served)
+            parts = [(part, False) for part in (micro_batches(inputs, size, self.micro_batch_size) if units is None
+                                                else unit_micro_batches(inputs, size, self.micro_batch_size, units))]
+        with _without_gradient_sync(model):
+            for part, placeholder in parts:
+                if placeholder:
+                    self.private.optimizer.clipper.expect_placeholder()
+                with self.compute_loss_context_manager():
+                    loss = self.compute_loss(model, part)
+                self.accelerator.backward(loss)
+                if not placeholder:
+                    total = total + loss.detach().float() * batch_size_of(part)
         return total / max(size, 1)
+
+    def _lockstep_parts(self, inputs, size: int) -> list:
+        """The micro-batches of a sharded run: as many on every rank as the largest part needs (each
+        rank computes every rank's part of the planned batch from the plan; no collective)."""
+        run = self.private.run
+        step, world_size = run.state.served, run.batches.part[1]
+        largest = max(len(run.batches.sampler.part_of_batch(step, (rank, world_size))) for rank in range(world_size))
+        passes = max(1, -(-largest // self.micro_batch_size))
+        return lockstep_micro_batches(inputs, size, passes, placeholder_only=not run.batches.indices(step))
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """Trainer's loss (the model's per-example ``outputs.loss``), never with ``num_items_in_batch``.
@@ -292,7 +324,7 @@ class PrivateTrainerMixin:
                 "redraw the same noise: safe only if nothing after the checkpoint was released, or their "
                 "gradients are bit-identical) and fresh_key=opake.random.key(...) (new noise: a second release "
                 "of those steps that the accounting must count); SECURITY.md, 'Replaying or redrawing noise'")
-        path = os.path.join(folder, CHECKPOINT_NAME)
+        path = os.path.join(folder, checkpoint_name(self.args))
         if not os.path.isfile(path):
             raise FileNotFoundError(
                 f"{folder} has no {CHECKPOINT_NAME}: it was not saved by a DPTrainer, or with save_only_model=True; "
@@ -352,6 +384,50 @@ class _WorkerSeed:
 
     def __call__(self, worker_id: int) -> None:
         seed_worker(worker_id, num_workers=self.num_workers, rank=self.rank)
+
+
+def _fully_shard(model, args) -> None:
+    """FSDP2 on ``model`` as TrainingArguments(fsdp=...) asks: ``fully_shard`` on every layer whose
+    class is in ``fsdp_config["transformer_layer_cls_to_wrap"]`` (default: the model's
+    ``_no_split_modules``), then on the root. ``is_distributed_loading_by_transformers`` tells
+    Trainer the model already owns its placement and reduction, so it is neither wrapped in DDP nor
+    sharded again; make_private sees the DTensor parameters and runs sharded."""
+    from torch.distributed.fsdp import fully_shard
+
+    config = dict(args.fsdp_config or {})
+    names = config.get("transformer_layer_cls_to_wrap")
+    if isinstance(names, str):
+        names = [names]
+    if not names:
+        names = next((getattr(m, "_no_split_modules", None) for m in model.modules()
+                      if getattr(m, "_no_split_modules", None)), None)
+    if not names:
+        raise UnsupportedTrainingArgumentError(
+            "fsdp=... needs the layers to shard: pass fsdp_config={'transformer_layer_cls_to_wrap': ['MyBlock']} "
+            "(this model has no _no_split_modules to read them from)")
+    reshard = config.get("reshard_after_forward", True)
+    layers = [m for m in model.modules() if type(m).__name__ in set(names)]
+    if not layers:
+        raise UnsupportedTrainingArgumentError(
+            f"fsdp=... found no layer of the classes {sorted(names)} in the model; set "
+            f"fsdp_config['transformer_layer_cls_to_wrap'] to the names of its block classes")
+    for layer in layers:
+        fully_shard(layer, reshard_after_forward=reshard)
+    fully_shard(model, reshard_after_forward=reshard)
+    for module in model.modules():  # transformers' models keep the flag behind a read-only property
+        if isinstance(getattr(type(module), "is_distributed_loading_by_transformers", None), property):
+            module._is_distributed_loading_by_transformers = True
+    if not getattr(model, "is_distributed_loading_by_transformers", False):
+        model.is_distributed_loading_by_transformers = True
+
+
+def _without_gradient_sync(model):
+    """Trainer wraps the model in DistributedDataParallel under torch.distributed; its gradient
+    synchronization would average autograd's unclipped gradients. ``no_sync`` (DDP's public
+    switch) keeps it off: make_private's run all-reduces the clipped sums itself."""
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return model.no_sync()
+    return contextlib.nullcontext()
 
 
 class _TrainerSchedule:

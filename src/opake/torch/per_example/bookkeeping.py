@@ -151,7 +151,7 @@ def _tied_squares(held: list[tuple[LayerCall, str]], dtype, own: torch.Tensor | 
 
 def clip_forward_pass(
     calls: list[LayerCall], *, max_grad_norm, mean: bool, shared: frozenset, batch_size: int | None,
-    unclipped: bool = False, units: torch.Tensor | None = None, regroup: bool = True,
+    unclipped: bool = False, units: torch.Tensor | None = None, regroup: bool = True, placeholder: bool = False,
 ) -> ClippedPass:
     """Clip each example of one forward pass to ``max_grad_norm`` and sum, per parameter.
 
@@ -162,7 +162,9 @@ def clip_forward_pass(
     (``PerExampleClipper.check_coverage`` compares the two). With ``units`` ((B,) unit numbers,
     one per row) each unit's summed gradient is clipped instead (module docstring); ``regroup``
     uses regrouped ghost norms where a rule allows (``units.py``), otherwise every unit norm comes
-    from materialized per-example gradients.
+    from materialized per-example gradients. With ``placeholder`` the pass's first row is a
+    placeholder (a rank's empty part of a batch, run only so that every rank of a sharded model
+    takes part in the collectives): its clipped weight is exactly 0 and it is not counted.
     """
     calls = [call for call in calls if call.received]
     if not calls:
@@ -242,6 +244,11 @@ def clip_forward_pass(
     norms = torch.sqrt(total) * scale
     factors, clipped = clipping_rule(max_grad_norm).factors(norms)
     weights = factors * scale  # per clipped quantity: an example, or a unit
+    if placeholder:
+        if grouping is not None:
+            raise ClipperUsageError("a placeholder row cannot be combined with privacy units")
+        weights = torch.cat([torch.zeros_like(weights[:1]), weights[1:]])
+        clipped = clipped[1:]
     row_weights = weights if grouping is None else grouping.row_weights(weights)
 
     def weighted_sums(weights: torch.Tensor, row_weights: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -277,7 +284,7 @@ def clip_forward_pass(
 
     # The stored output gradients already carry the loss's 1/B for a mean, so factor 1 gives .grad.
     plain = weighted_sums(torch.ones_like(weights), torch.ones_like(row_weights)) if unclipped else None
-    return ClippedPass(weighted_sums(weights, row_weights), batch, int(clipped.sum()), plain,
+    return ClippedPass(weighted_sums(weights, row_weights), batch - int(placeholder), int(clipped.sum()), plain,
                        None if grouping is None else grouping.count)
 
 

@@ -42,6 +42,7 @@ the passes clipped took every row's unit exactly once.
 from __future__ import annotations
 
 import contextlib
+import sys
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -67,6 +68,7 @@ class _ForwardPass:
     pending: int = 0
     deferred: int = 0  # hooked calls run under no_grad inside the model: reentrant checkpointing
     units: torch.Tensor | None = None  # the unit of each row (expect_units), taken at the call of the model
+    placeholder: bool = False  # its first row is a placeholder (expect_placeholder)
 
     @property
     def complete(self) -> bool:
@@ -121,6 +123,29 @@ def _first_tensor(args, kwargs) -> torch.Tensor | None:
     return None
 
 
+def _refuse_data_parallel_wrapper(module) -> None:
+    """Refuse a call of the model through ``DistributedDataParallel`` (or ``DataParallel``): DDP
+    all-reduces autograd's unclipped gradients, which per-example clipping replaces (inside
+    ``ddp.no_sync()`` it does not, and the call is allowed: DPTrainer keeps Trainer's wrap there).
+    The wrapper's forward is a few frames up (its ``forward`` calls ``self.module``); nothing has
+    run yet."""
+    frame = sys._getframe(2)
+    for _ in range(8):
+        if frame is None:
+            return
+        caller = frame.f_locals.get("self")
+        synchronizing = getattr(caller, "require_backward_grad_sync", True)  # False inside DDP's no_sync()
+        if (isinstance(caller, (nn.parallel.DistributedDataParallel, nn.DataParallel)) and caller.module is module
+                and synchronizing):
+            raise UnsupportedModuleError(
+                f"the private module is being called through {type(caller).__name__}, which would average "
+                f"autograd's unclipped gradients across ranks: make_private already splits each planned batch "
+                f"across ranks and reduces the clipped sums itself. Call the module make_private returned "
+                f"(private.module) directly on every rank, without wrapping it. Nothing was released"
+            )
+        frame = frame.f_back
+
+
 class PerExampleClipper:
     """Clip every example's gradient to ``max_grad_norm`` during ordinary ``loss.backward()`` calls.
 
@@ -162,6 +187,7 @@ class PerExampleClipper:
         self._lent: list[list[torch.Tensor]] = []  # parameters whose requires_grad a layer call turned off
         self._precisions: set[torch.dtype] = set()  # parameter and autocast dtypes of the calls seen
         self._expected_units: torch.Tensor | None = None  # expect_units: kept across reset()
+        self._placeholder_pending = False  # expect_placeholder: kept across reset(), taken by a pass
         self._regroup_units = True
         self.reset()
         self._handles.append(module.register_forward_pre_hook(self._begin_pass, with_kwargs=True))
@@ -229,6 +255,13 @@ class PerExampleClipper:
         self._regroup_units = bool(regroup)
         self._units_taken = 0
 
+    def expect_placeholder(self, pending: bool = True) -> None:
+        """The next forward pass with gradients carries one placeholder row first: a rank whose
+        part of a planned batch is empty runs one example anyway, because every rank of a sharded
+        (FSDP2) model must join each forward and backward. That row's clipped weight is exactly 0
+        and it is not counted among the examples; ``pending=False`` withdraws it."""
+        self._placeholder_pending = bool(pending)
+
     def clipped_sum(self, copy: bool = True) -> dict[str, torch.Tensor]:
         """Per trainable parameter name: the sum of the clipped per-example gradients so far.
 
@@ -257,7 +290,7 @@ class PerExampleClipper:
         for name, param in self._plan.trainable.items():
             total = self._sums.get(name)
             if total is None:
-                result[name] = torch.zeros_like(param, dtype=sum_dtype(param.dtype))
+                result[name] = torch.zeros(param.shape, dtype=sum_dtype(param.dtype), device=param.device)
             else:
                 result[name] = total.clone() if copy else total
         return result
@@ -308,7 +341,8 @@ class PerExampleClipper:
             actual = param.grad if autograd_gradients is None else autograd_gradients.get(name)
             if seen is None and actual is None:
                 continue
-            seen = torch.zeros_like(param, dtype=torch.float64) if seen is None else seen.to(torch.float64)
+            seen = torch.zeros(param.shape, dtype=torch.float64, device=param.device) if seen is None else (
+                seen.to(torch.float64))
             actual = torch.zeros_like(seen) if actual is None else actual.detach().to(torch.float64)
             pairs[name] = (seen, actual)
         # Rounding is relative to the whole gradient, not to one parameter's: a bias that a
@@ -351,11 +385,17 @@ class PerExampleClipper:
     def _begin_pass(self, module, args, kwargs):
         if self._current is not None:
             return  # the model calling itself recursively stays in one pass
+        if torch.is_grad_enabled():
+            _refuse_data_parallel_wrapper(module)
         self._close_passes(only_received=True)
         first = _first_tensor(args, kwargs)
         batch = first.shape[0] if first is not None and first.dim() > 0 else None
         units = self._take_units(batch) if self._expected_units is not None and torch.is_grad_enabled() else None
-        self._current = _ForwardPass(batch_size=batch, grad_enabled=torch.is_grad_enabled(), units=units)
+        placeholder = self._placeholder_pending and torch.is_grad_enabled()
+        if placeholder:
+            self._placeholder_pending = False
+        self._current = _ForwardPass(batch_size=batch, grad_enabled=torch.is_grad_enabled(), units=units,
+                                     placeholder=placeholder)
         self._open.append(self._current)
 
     def _take_units(self, batch: int | None) -> torch.Tensor:
@@ -418,7 +458,8 @@ class PerExampleClipper:
             self._skip_autograd_weights and not self._folding and torch.is_grad_enabled()
             and _any_requires_grad(args, kwargs)
         ):
-            for param in layer.parameters:
+            for local in layer.local_names:  # the module's parameters now (FSDP2 swaps in unsharded ones)
+                param = module.get_parameter(local)
                 if param.requires_grad:
                     param.requires_grad_(False)
                     lent.append(param)
@@ -450,7 +491,7 @@ class PerExampleClipper:
         ]
         if not needing:
             return
-        self._precisions.add(layer.parameters[0].dtype)
+        self._precisions.add(module.get_parameter(layer.local_names[0]).dtype)  # as computed (FSDP2 may cast)
         self._precisions.update(dtype for _, dtype in autocast_state())
         stored = layer.rule.store(module, args, kwargs, layer.local_names, output)
         call = LayerCall(layer, stored, [None] * len(leaves))
@@ -530,6 +571,7 @@ class PerExampleClipper:
                     unclipped=self._tracking_unclipped,
                     units=forward_pass.units,
                     regroup=self._regroup_units,
+                    placeholder=forward_pass.placeholder,
                 )
         finally:
             self._folding = False

@@ -227,8 +227,9 @@ def sharded_mf_gaussian_noise(
 
     Call it on every rank of ``process_group`` (default: the world) with the same arguments;
     it checks, with one collective, that they agree. ``ownership``: ``"tensors"`` (each rank
-    owns whole tensors, greedy-balanced by size) or ``"blocks"`` (contiguous runs of 2**20-element
-    noise blocks, for models dominated by a few huge tensors). Each rank's state holds
+    owns whole tensors, greedy-balanced by size), ``"blocks"`` (contiguous runs of 2**20-element
+    noise blocks, for models dominated by a few huge tensors) or ``"even"`` (equal runs of
+    elements, cut anywhere: at most ceil(d / world_size) buffer columns per rank). Each rank's state holds
     (B, n_owned) buffers; ``noise_fn(clipped, state)`` returns on every rank the full noisy
     gradients, identical on all ranks and to ``mf_gaussian_noise`` with the same key, using one
     all-gather per step. Checkpoint with ``state.state_dict()`` on each rank and resume with

@@ -10,6 +10,10 @@ world size, so every rank computes the same map without communication.
 - ``"blocks"``: the parameters in layout order, cut into ``world_size`` contiguous runs at
   noise-block boundaries (2**20 elements, or the end of a leaf), each run ending at the block
   boundary closest to an equal share. Balances models dominated by one large tensor.
+- ``"even"``: the parameters in layout order cut into ``world_size`` runs of ceil(d / world_size)
+  elements, wherever the cut falls (FSDP's split). Every rank holds at most ceil(d / W) buffer
+  columns whatever the tensor sizes; a noise block cut between two ranks is drawn whole by both
+  and sliced (at most one extra block of draws per rank and step).
 
 ``even_shards(template, rank, world_size)`` gives the FSDP-style split used by the sharded
 gradient stage: the flattened parameters (leaves in the template's optree order) cut into
@@ -25,9 +29,9 @@ import optree
 from opake.dpftrl.noise.engine.draws import BLOCK_ELEMENTS
 from opake.dpftrl.noise.engine.layout import Layout
 
-__all__ = ["OWNERSHIP_MODES", "even_shards", "map_fingerprint", "ownership_map"]
+__all__ = ["OWNERSHIP_MODES", "balanced_ownership", "even_shards", "map_fingerprint", "ownership_map"]
 
-OWNERSHIP_MODES = ("tensors", "blocks")
+OWNERSHIP_MODES = ("tensors", "blocks", "even")
 
 
 def ownership_map(layout: Layout, world_size: int, mode: str) -> tuple[tuple[tuple[int, int, int], ...], ...]:
@@ -71,7 +75,27 @@ def ownership_map(layout: Layout, world_size: int, mode: str) -> tuple[tuple[tup
                     merged.append([leaf, start, stop])
             result.append(tuple(tuple(item) for item in merged))
         return tuple(result)
+    if mode == "even":
+        share = -(-layout.size // world_size)
+        result = []
+        for rank in range(world_size):
+            begin, end = rank * share, min(layout.size, (rank + 1) * share)
+            owned = []
+            for index, slot in enumerate(layout.leaves):
+                lo, hi = max(begin - slot.offset, 0), min(end - slot.offset, slot.numel)
+                if lo < hi:
+                    owned.append((index, lo, hi))
+            result.append(tuple(owned))
+        return tuple(result)
     raise ValueError(f"ownership must be one of {OWNERSHIP_MODES}, got {mode!r}")
+
+
+def balanced_ownership(layout: Layout, world_size: int, slack: float = 1.1) -> str:
+    """``"tensors"`` when whole tensors balance to within ``slack`` of an equal share per rank (no
+    block is drawn twice), else ``"even"`` (exactly equal shares)."""
+    loads = [sum(layout.leaves[i].numel for i, _, _ in ranges) for ranges in ownership_map(layout, world_size,
+                                                                                           "tensors")]
+    return "tensors" if max(loads) <= slack * layout.size / world_size else "even"
 
 
 def map_fingerprint(layout: Layout, ranges, mode: str, world_size: int) -> str:

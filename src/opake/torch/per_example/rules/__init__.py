@@ -21,7 +21,7 @@ from opake.torch.per_example.rules import conv, embedding, functional, linear, n
 from opake.torch.per_example.rules.base import LayerRule
 from opake.torch.per_example.rules.functional import FUSED_TYPES
 
-__all__ = ["FUSED_TYPES", "LayerRule", "qualified_name", "register_rule", "registered_rule", "rule_for"]
+__all__ = ["FUSED_TYPES", "LayerRule", "layer_type", "qualified_name", "register_rule", "registered_rule", "rule_for"]
 
 _BY_TYPE: dict[type, LayerRule] = {
     nn.Linear: linear.RULE,
@@ -116,5 +116,15 @@ def registered_rule(layer_type) -> LayerRule | None:
 
 def rule_for(module: nn.Module) -> LayerRule:
     """The rule for this layer's exact type, or the torch.func fallback."""
-    rule = registered_rule(type(module))
+    rule = registered_rule(layer_type(module))
     return functional.RULE if rule is None else rule
+
+
+def layer_type(module: nn.Module) -> type:
+    """The layer's own class: ``fully_shard`` (FSDP2) swaps a module's class for a generated
+    ``FSDP<Class>(FSDPModule, Class)``, whose forward is the class's own."""
+    cls = type(module)
+    bases = cls.__bases__
+    if len(bases) == 2 and bases[0].__name__ == "FSDPModule" and bases[0].__module__.startswith("torch.distributed"):
+        return bases[1]
+    return cls

@@ -1,0 +1,380 @@
+"""Which mechanism a run with a privacy budget should use: the least noise among the proven ones.
+
+``choose_mechanism(num_examples=, batch_size=, epochs=, target_epsilon=, target_delta=,
+optimizer=None, lr_scheduler=None, strategy=None, sampling=None)`` compares, at the budget
+(add/remove adjacency, one unit = one example) and expected batch size ``batch_size``, the
+mechanisms whose accounting is proven for adaptively chosen gradients (docs/adaptivity.md):
+
+* **BLT** on balls-in-bins batches, priced without amplification (``"rigorous"``), the BLT
+  being ``strategy_for_optimizer``'s (optimized for what the optimizer does with the noise);
+* **BandMF** with cyclic Poisson sampling (Band23 Thm 4, PLD), its band count from the rule of
+  ``opake.plan.cyclic_poisson_bands`` (2 or more bands);
+* **DP-SGD, Poisson**: Poisson sampling at rate batch_size / num_examples, PLD (as Opacus runs it);
+* **DP-SGD, balls in bins**: the random-allocation PLD (``"allocation_pld"``).
+
+The BLT's amplified bound is never a candidate (not proven for adaptive gradients).
+
+Ranking. Each candidate's noise multiplier meets the budget on its own accountant; its error is
+sigma * sqrt(max_t e_t), e_t the squared norm of row t of W C^{-1} for the optimizer's workload
+W (``opake.torch.workload``: the noise in SGD's parameters for torch.optim.SGD with momentum or a
+schedule, the prefix sums of the noise otherwise), the standard deviation of the worst step's
+noise, before the division by the batch size that every candidate shares. The least error wins;
+ties go to the earlier candidate in the order above read from DP-SGD up (fewer noise buffers).
+This is the noise alone: the variance of Poisson batch sizes and the effect of noise on
+accuracy are not counted. The candidates the rule ranks, and the chosen one, are what
+``MechanismChoice.table()`` prints.
+
+Speed (a few seconds at 60,000 examples): the BLT's unamplified bound calibrates in
+milliseconds; the Poisson candidates are calibrated as ``opake.plan`` does (the bands on a
+coarse PLD grid, 1e-2; the winner refined on 1e-3, then on the plan's own grid, 1e-4, from
+there); DP-SGD on balls in bins is first bounded from below in microseconds
+(``allocation.lower_bound``: a test on the bins' sums shows the budget is missed below some
+noise multiplier), and its PLD (seconds per evaluation) is calibrated only when that bound does
+not already put it behind the best other candidate. The chosen noise multiplier is calibrated on
+exactly the accountant the run's plan builds, so ``make_private(..., noise_multiplier=
+choice.noise_multiplier)`` prices it at ``choice.epsilon`` <= target_epsilon.
+
+``strategy=`` and ``sampling=`` restrict the candidates (a BLT runs on balls in bins only; a
+BandMF on cyclic Poisson; the identity on either). The function plans nothing and touches
+nothing: ``make_private`` (and the Opacus adapter, ``opake.torch.PrivacyEngine``) carry the
+choice out.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import opake.accounting as acc
+from opake._checks import integer_at_least
+from opake.accounting.calibrate import calibrate_capped
+from opake.dpftrl.accounting import mf_gaussian, poisson
+from opake.dpftrl.accounting.accountant import balls_in_bins_accountant, poisson_accountant
+from opake.dpftrl.accounting.allocation.lower_bound import noise_multiplier_lower_bound
+from opake.dpftrl.accounting.methods import AccountingMethod
+from opake.dpftrl.accounting.poisson import banded_column_norm, noise_multiplier_guess
+from opake.dpftrl.noise import blt_strategy, identity_strategy
+from opake.plan import (CHOICE_DISCRETIZATION, PLD_DISCRETIZATION, BandCandidate, band_candidates,
+                        refine_band_candidate)
+from opake.progress import Progress
+from opake.torch.planning import steps_per_epoch_of, strategy_for_optimizer
+from opake.torch.workload import Workload, workload_of
+
+__all__ = ["MAX_STATE_ROWS", "Candidate", "MechanismChoice", "choose_mechanism"]
+
+_SIGMA_RANGE = (1e-3, 1e4)   # make_private's calibration range for every sampling
+_SAMPLINGS = ("balls_in_bins", "poisson")
+# The noise state a candidate may keep, in floats per model parameter: the BLT's own cap (max_buffers).
+# The band rule alone would take BandMF to hundreds of bands on large data sets (256 at 60,000
+# examples, epsilon 8), hundreds of copies of the model in memory for a few percent less noise.
+MAX_STATE_ROWS = 10
+# The final calibration on the plan's own PLD grid: epsilon within 0.1% of the target or sigma within
+# 0.01% of the smallest that meets it (make_private's tolerances for the amplified bounds).
+_RTOL, _EPSILON_RTOL = 1e-4, 1e-3
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One mechanism at the budget: how it samples and is priced, its noise and its error.
+
+    ``noise_multiplier`` meets the budget on the candidate's accountant, or, where ``calibrated``
+    is False, is a lower bound on the one that would (the candidate was ruled out without its
+    slow calibration); ``error`` is sigma * sqrt(max_t e_t) on the workload (module docstring);
+    ``note`` says how the number was obtained. ``band_candidate`` keeps a Poisson candidate's
+    coarse calibration, from which the chosen one is refined.
+    """
+
+    name: str
+    strategy: object
+    sampling: str
+    accounting: str
+    noise_multiplier: float
+    error: float
+    note: str
+    calibrated: bool = True
+    sample_rate: float | None = None
+    band_candidate: BandCandidate | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def description(self) -> str:
+        if self.sampling == "poisson":
+            return f"Poisson, rate {self.sample_rate:.4g}, PLD"
+        pld = self.accounting == AccountingMethod.ALLOCATION_PLD.value
+        return f"balls in bins, {'random-allocation PLD' if pld else 'unamplified'}"
+
+
+@dataclass(frozen=True)
+class MechanismChoice:
+    """The chosen candidate, every candidate ranked, the workload they were ranked on, and why.
+
+    ``epsilon`` is the chosen mechanism's at ``target_delta`` on the plan's own accountant (<=
+    ``target_epsilon``); ``seconds`` the time the choice took.
+    """
+
+    chosen: Candidate
+    candidates: tuple
+    workload: Workload
+    target_epsilon: float
+    target_delta: float
+    epsilon: float
+    seconds: float
+
+    @property
+    def strategy(self):
+        return self.chosen.strategy
+
+    @property
+    def sampling(self) -> str:
+        return self.chosen.sampling
+
+    @property
+    def accounting(self) -> str:
+        return self.chosen.accounting
+
+    @property
+    def noise_multiplier(self) -> float:
+        return self.chosen.noise_multiplier
+
+    @property
+    def reason(self) -> str:
+        """One sentence: what won, on which error, against what."""
+        others = [c for c in self.candidates if c is not self.chosen]
+        against = "; ".join(f"{c.name} {'at least ' if not c.calibrated else ''}{c.error:.4g}" for c in others)
+        return (f"{self.chosen.name} ({self.chosen.description}) has the least noise at epsilon "
+                f"{self.target_epsilon:g}, delta {self.target_delta:g} on the {self.workload.description}: "
+                f"worst-step noise {self.chosen.error:.4g}" + (f", against {against}" if against else ""))
+
+    def table(self) -> str:
+        """The comparison, one candidate a line, the chosen one marked."""
+        lines = [f"{'mechanism':<22} {'sampling / accounting':<34} {'noise mult.':>11} {'error':>10}  note"]
+        for c in self.candidates:
+            bound = "" if c.calibrated else ">= "
+            lines.append(f"{c.name:<22} {c.description:<34} {bound + format(c.noise_multiplier, '.4g'):>11} "
+                         f"{bound + format(c.error, '.4g'):>10}  {c.note}{'  <- chosen' if c is self.chosen else ''}")
+        lines.append(f"error: the worst step's noise standard deviation on the {self.workload.description} "
+                     f"(clip norm 1, before dividing by the batch size); chosen: epsilon {self.epsilon:.6g} <= "
+                     f"{self.target_epsilon:g} at delta {self.target_delta:g}, in {self.seconds:.2f} s")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def choose_mechanism(
+    *,
+    num_examples: int,
+    batch_size: int,
+    epochs: int,
+    target_epsilon: float,
+    target_delta: float,
+    optimizer=None,
+    lr_scheduler=None,
+    strategy=None,
+    sampling: str | None = None,
+    max_state_rows: int | None = MAX_STATE_ROWS,
+    progress: bool | None = None,
+) -> MechanismChoice:
+    """The mechanism with the least noise error at (target_epsilon, target_delta) (module docstring).
+
+    ``max_state_rows`` caps the noise state: floats kept per model parameter (a BLT keeps one
+    per buffer, at most 10; BandMF with g bands keeps g - 1), so BandMF candidates above it are
+    not tried; None lifts the cap.
+
+    ``optimizer`` and ``lr_scheduler`` (as for ``make_private``) set the workload and the BLT;
+    without them the workload is the prefix sums and the BLT the default recipe. ``strategy``
+    (a recipe) and ``sampling`` ("balls_in_bins" or "poisson") restrict the candidates; a
+    combination opake cannot price (Poisson with a BLT) raises ``ValueError`` saying what to use.
+    """
+    started = time.perf_counter()
+    batch_size = integer_at_least("batch_size", batch_size)
+    epochs = integer_at_least("epochs", epochs)
+    num_examples = integer_at_least("num_examples", num_examples)
+    num_bins = steps_per_epoch_of(num_examples, batch_size)
+    budget = acc.epsilon_budget(target_epsilon, target_delta)
+    if sampling is not None and sampling not in _SAMPLINGS:
+        raise ValueError(f"sampling must be None (any), or one of {_SAMPLINGS}, got {sampling!r}")
+    kinds = _kinds(strategy, sampling)
+    if max_state_rows is not None:
+        max_state_rows = _state_rows(max_state_rows)
+    run = _Run(num_examples, batch_size, epochs, num_bins, epochs * num_bins)
+    recipe = blt_strategy() if optimizer is None else strategy_for_optimizer(optimizer, run.n_steps, lr_scheduler)
+    workload = workload_of(recipe)
+    progress = Progress.of(progress)
+    try:
+        candidates = _poisson_candidates(run, budget, workload, kinds, strategy, max_state_rows, progress)
+        if "blt" in kinds:
+            candidates.append(_blt_candidate(run, budget, workload, strategy or recipe, progress))
+        if "bins" in kinds:
+            best = min((c.error for c in candidates), default=math.inf)
+            candidates.append(_bins_candidate(run, budget, workload, best, progress))
+        chosen = min(candidates, key=lambda c: c.error)  # the first of equal errors: fewer buffers
+        if chosen.sampling == "poisson":
+            refined = _on_the_plans_grid(chosen, run, budget, workload, progress)
+            candidates = [refined if c is chosen else c for c in candidates]
+            chosen = refined
+        epsilon = _plan_accountant(chosen, run)(chosen.noise_multiplier).epsilon_at(budget.delta)
+    finally:
+        progress.close()
+    return MechanismChoice(chosen, tuple(candidates), workload, budget.epsilon, budget.delta, epsilon,
+                           time.perf_counter() - started)
+
+
+@dataclass(frozen=True)
+class _Run:
+    num_examples: int
+    batch_size: int
+    epochs: int
+    num_bins: int    # steps per epoch: balls-in-bins bins, and len(dataset) // batch_size for Poisson
+    n_steps: int
+
+
+# -- which candidates ------------------------------------------------------------------------------
+
+def _kinds(strategy, sampling) -> set:
+    """The candidate kinds ``strategy`` and ``sampling`` allow: "poisson", "bandmf", "blt", "bins"."""
+    if strategy is None:
+        kinds = {"poisson", "bandmf", "blt", "bins"}
+    else:
+        bands = getattr(strategy, "bands", None)  # recipes state their bands; None: a BLT
+        kinds = {"blt"} if bands is None else ({"poisson", "bins"} if bands == 1 else {"bandmf"})
+    allowed = {None: kinds, "poisson": {"poisson", "bandmf"}, "balls_in_bins": {"blt", "bins"}}[sampling]
+    if not kinds & allowed:
+        raise ValueError(
+            f"strategy={strategy!r} with sampling={sampling!r} has no accounting proven for adaptive gradients: "
+            f"Poisson amplification is proven for banded strategies only (identity_strategy, band_mf_strategy), "
+            f"and BandMF with several bands runs with cyclic Poisson sampling; run a BLT on balls in bins "
+            f"(sampling='balls_in_bins'), or pass a banded strategy for Poisson sampling"
+        )
+    return kinds & allowed
+
+
+# -- the candidates --------------------------------------------------------------------------------
+
+def _blt_candidate(run: _Run, budget, workload, strategy, progress) -> Candidate:
+    accountant = balls_in_bins_accountant(strategy, run.num_bins, run.n_steps, AccountingMethod.RIGOROUS)
+    with progress.stage("BLT on balls in bins: resolving and calibrating (unamplified)"):
+        result = acc.calibrate(budget, accountant, *_SIGMA_RANGE)
+    mechanism = result.process.mechanism
+    return Candidate("BLT", strategy, "balls_in_bins", AccountingMethod.RIGOROUS.value, result.param,
+                     workload.rmse(result.param, mechanism.inverse_coefficients(run.n_steps)),
+                     f"{mechanism.num_buffers} buffer(s), unamplified bound")
+
+
+def _poisson_candidates(run: _Run, budget, workload, kinds, strategy, max_state_rows, progress) -> list:
+    """DP-SGD with Poisson sampling and the BandMF (2+ bands) with the least workload error, at the
+    coarse grid's noise multipliers (the chosen one is calibrated again on the plan's grid)."""
+    if not kinds & {"poisson", "bandmf"}:
+        return []
+    if strategy is None:
+        rows = band_candidates(run.num_examples, run.batch_size, run.epochs, budget.epsilon, budget.delta,
+                               max_bands=None if max_state_rows is None else max_state_rows + 1, progress=progress)
+    else:
+        rows = (_coarse_band_candidate(strategy, run, budget, progress),)
+    ranked = [(row, workload.rmse(row.noise_multiplier, _mechanism(row, run).inverse_coefficients(run.n_steps)))
+              for row in rows]
+    candidates = []
+    if "poisson" in kinds:
+        row, error = ranked[0]
+        candidates.append(_poisson_candidate("DP-SGD, Poisson", row, error, "coarse PLD grid (1e-2)"))
+    banded = [(row, error) for row, error in ranked if row.bands > 1]
+    if "bandmf" in kinds and banded:
+        row, error = min(banded, key=lambda pair: pair[1])
+        tried = ", ".join(str(r.bands) for r, _ in banded)
+        candidates.append(_poisson_candidate(f"BandMF, {row.bands} bands", row, error,
+                                             f"bands tried: {tried}; coarse PLD grid (1e-2)"))
+    return candidates
+
+
+def _state_rows(value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"max_state_rows must be None or an integer >= 0 (floats per parameter), got {value!r}")
+    return value
+
+
+def _mechanism(row: BandCandidate, run: _Run):
+    return row.strategy.resolve(run.n_steps, row.bands, -(-run.n_steps // row.bands))
+
+
+def _coarse_band_candidate(strategy, run: _Run, budget, progress) -> BandCandidate:
+    """The caller's banded strategy calibrated on the coarse grid, as the rule's candidates are."""
+    bands = int(strategy.bands)
+    if run.batch_size * bands > run.num_examples:
+        raise ValueError(f"{bands} bands with batch_size={run.batch_size} need a sample rate "
+                         f"{run.batch_size * bands}/{run.num_examples} > 1; use at most "
+                         f"{run.num_examples // run.batch_size} bands")
+    rate = run.batch_size * bands / run.num_examples
+    compositions = -(-run.n_steps // bands)
+    mechanism = strategy.resolve(run.n_steps, bands, compositions)
+    guess = noise_multiplier_guess(rate, compositions, banded_column_norm(mechanism), budget)
+    points = []
+    with progress.stage(f"{bands} band(s): calibrating on the coarse PLD grid"):
+        result = acc.calibrate_near(
+            budget, lambda sigma: poisson(mf_gaussian(sigma, strategy), rate, run.n_steps,
+                                          value_discretization_interval=CHOICE_DISCRETIZATION),
+            guess, *_SIGMA_RANGE, rtol=1e-3, epsilon_rtol=1e-3, on_evaluation=lambda s, e: points.append((s, e)))
+    return BandCandidate(bands, strategy, rate, result.param, math.nan, tuple(points))
+
+
+def _poisson_candidate(name: str, row: BandCandidate, error: float, note: str) -> Candidate:
+    return Candidate(name, row.strategy, "poisson", AccountingMethod.POISSON_PLD.value, row.noise_multiplier,
+                     error, note, sample_rate=row.sample_rate, band_candidate=row)
+
+
+def _bins_candidate(run: _Run, budget, workload, best_error: float, progress) -> Candidate:
+    """DP-SGD on balls in bins: a lower bound on its noise multiplier first, its PLD only if it could win."""
+    strategy = identity_strategy()
+    name, method = "DP-SGD, balls in bins", AccountingMethod.ALLOCATION_PLD.value
+    inverse = strategy.resolve(run.n_steps, run.num_bins, run.epochs).inverse_coefficients(run.n_steps)
+    low = noise_multiplier_lower_bound(run.num_bins, run.epochs, budget.epsilon, budget.delta)
+    if workload.rmse(low, inverse) >= best_error:
+        return Candidate(name, strategy, "balls_in_bins", method, low, workload.rmse(low, inverse),
+                         "PLD not calibrated: a test on the bins' sums misses the budget below this noise "
+                         "multiplier, so it cannot beat the least error above", calibrated=False)
+    accountant = balls_in_bins_accountant(strategy, run.num_bins, run.n_steps)
+    unamplified = accountant.unamplified()
+    with progress.stage("DP-SGD on balls in bins: calibrating the random-allocation PLD"):
+        cap = acc.calibrate(budget, unamplified, *_SIGMA_RANGE)
+        result = calibrate_capped(budget, accountant, unamplified, *_SIGMA_RANGE, cap=cap)
+    return Candidate(name, strategy, "balls_in_bins", method, result.param, workload.rmse(result.param, inverse),
+                     f"random-allocation PLD ({result.num_evaluations} evaluation(s))")
+
+
+# -- the chosen one on the plan's own accountant -----------------------------------------------
+
+def _plan_accountant(candidate: Candidate, run: _Run):
+    """The accountant ``make_private`` builds for this candidate (same strategy, horizon and rate)."""
+    if candidate.sampling == "poisson":
+        return poisson_accountant(candidate.strategy, candidate.sample_rate, run.n_steps)
+    return balls_in_bins_accountant(candidate.strategy, run.num_bins, run.n_steps, candidate.accounting)
+
+
+def _on_the_plans_grid(candidate: Candidate, run: _Run, budget, workload, progress) -> Candidate:
+    """A Poisson candidate's noise multiplier on the rows' grid (1e-3, as ``opake.plan``'s rows),
+    then on the plan's own (``poisson``'s default, 1e-4) from there, along the 1e-3 grid's slope:
+    one to three evaluations where a calibration from scratch takes about ten."""
+    refined = refine_band_candidate(candidate.band_candidate, run.n_steps, budget.epsilon, budget.delta,
+                                    progress=progress)
+    evaluations = []
+    with progress.stage(f"{candidate.name}: calibrating on the plan's PLD grid"):
+        result = acc.calibrate_near(budget, _plan_accountant(candidate, run), refined.param, *_SIGMA_RANGE,
+                                    spread=1.1, rtol=_RTOL, epsilon_rtol=_EPSILON_RTOL,
+                                    slope=_slope(candidate, refined, run, budget),
+                                    on_evaluation=lambda s, e: evaluations.append((s, e)))
+    mechanism = result.process.mechanism
+    return Candidate(candidate.name, candidate.strategy, "poisson", candidate.accounting, result.param,
+                     workload.rmse(result.param, mechanism.inverse_coefficients(run.n_steps)),
+                     f"PLD on the plan's grid (1e-4), {len(evaluations)} evaluation(s) from the 1e-3 grid's "
+                     f"{refined.param:.5g}", sample_rate=candidate.sample_rate,
+                     band_candidate=candidate.band_candidate)
+
+
+def _slope(candidate: Candidate, refined, run: _Run, budget) -> float | None:
+    """d ln epsilon / d ln sigma on the 1e-3 grid over the 1% below its answer (one cheap evaluation)."""
+    lower = 0.99 * refined.param
+    other = poisson(mf_gaussian(lower, candidate.strategy), candidate.sample_rate, run.n_steps,
+                    value_discretization_interval=PLD_DISCRETIZATION).epsilon_at(budget.delta)
+    if not (0.0 < other < math.inf and 0.0 < refined.epsilon < math.inf):
+        return None
+    slope = (math.log(other) - math.log(refined.epsilon)) / math.log(lower / refined.param)
+    return slope if math.isfinite(slope) and slope < 0.0 else None

@@ -1,0 +1,24 @@
+"""Opacus' interface on opake (docs/from_opacus.md): ``PrivacyEngine``, ``BatchMemoryManager``,
+``ModuleValidator``, and the recurrent layers at the names Opacus gives them.
+
+An Opacus script changes its import lines only::
+
+    from opake.torch import PrivacyEngine                 # from opacus import PrivacyEngine
+    from opake.torch import BatchMemoryManager            # from opacus.utils.batch_memory_manager import ...
+    from opake.torch import ModuleValidator               # from opacus.validators import ModuleValidator
+    from opake.torch import DPLSTM                        # from opacus.layers import DPLSTM
+
+One module per job: ``engine`` (the calls), ``options`` (Opacus options and the DataLoader),
+``keys`` (the run's key), ``accountant`` (``privacy_engine.accountant``), ``optimizer``
+(``expected_batch_size``, skipped steps), ``batch_memory_manager``, ``checkpoint``,
+``validators``.
+"""
+
+from opake.torch.opacus.batch_memory_manager import BatchMemoryManager
+from opake.torch.opacus.engine import UNPLANNED_EPOCHS, PrivacyEngine
+from opake.torch.opacus.optimizer import OpacusDPOptimizer
+from opake.torch.opacus.validators import ModuleValidator
+from opake.torch.recurrent import DPGRU, DPLSTM, DPRNN
+
+__all__ = ["DPGRU", "DPLSTM", "DPRNN", "UNPLANNED_EPOCHS", "BatchMemoryManager", "ModuleValidator",
+           "OpacusDPOptimizer", "PrivacyEngine"]

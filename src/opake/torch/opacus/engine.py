@@ -1,0 +1,199 @@
+"""``PrivacyEngine``: Opacus' calls, with Opacus' meaning, on top of ``opake.torch.make_private``.
+
+``make_private(noise_multiplier=S)`` runs Opacus' mechanism: DP-SGD with Poisson sampling
+(``strategy=identity_strategy(), sampling="poisson"``), each example in each step independently
+with probability ``q = batch_size / len(dataset)``, ``len(dataset) // batch_size`` steps an
+epoch, priced by the PLD of the Poisson-subsampled Gaussian composed once per step
+(dp_accounting, add/remove adjacency; no larger than Opacus' PRV accountant for the same sigma,
+rate and steps: benchmarks/opacus_epsilon.py). ``poisson_sampling=False`` is DP-SGD on
+balls-in-bins batches (every example in one random bin, so once an epoch), priced by the
+random-allocation PLD, a bound proven for it: Opacus there keeps the loader's shuffled batches
+and prices them as if Poisson, which no theorem covers. Correlated noise is asked for by name,
+``strategy=blt_strategy()`` (balls in bins, unamplified) or ``strategy=band_mf_strategy(g)``
+(cyclic Poisson).
+
+``epochs`` is optional for DP-SGD with Poisson sampling, as in Opacus: its noise does not depend
+on the horizon, so the run is planned for ``UNPLANNED_EPOCHS`` epochs, a limit on the loop (a
+pass beyond it raises ``PlanExhaustedError``), and ``get_epsilon(delta)`` reports what the steps
+taken have spent. ``private.epsilon`` is then the epsilon of all those epochs, not of your run.
+Every other mechanism's noise or accounting depends on the horizon, so it needs ``epochs=``.
+
+``make_private_with_epsilon(target_epsilon=)`` takes the mechanism with the least noise at the
+budget among those proven for adaptively chosen gradients (``opake.torch.choice``): BLT on
+balls in bins, BandMF with cyclic Poisson, DP-SGD with Poisson sampling, DP-SGD on balls in bins.
+``privacy_engine.choice`` holds the comparison (``choice.table()``, ``choice.reason``) and
+``privacy_engine.private.plan`` what runs. ``poisson_sampling=False`` keeps only the mechanisms
+whose batches hold every example once an epoch (balls in bins).
+
+Randomness: without ``key=``, the key comes from torch's default generator (``secure_mode=False``,
+Opacus' default: ``torch.manual_seed`` reproduces a run) or from the operating system
+(``secure_mode=True``); ``opake.torch.opacus.keys``. One engine plans one run.
+"""
+
+from __future__ import annotations
+
+from opake.dpftrl.noise import identity_strategy
+from opake.torch.choice import choose_mechanism
+from opake.torch.opacus.accountant import RunAccountant
+from opake.torch.opacus.checkpoint import load_checkpoint, save_checkpoint
+from opake.torch.opacus.keys import run_key
+from opake.torch.opacus.optimizer import as_opacus_optimizer
+from opake.torch.opacus.options import from_loader, refuse_other_options
+from opake.torch.private import PrivateTraining, make_private
+from opake.torch.validation import fix_model, require_valid_model
+
+__all__ = ["UNPLANNED_EPOCHS", "PrivacyEngine"]
+
+# The horizon of make_private(noise_multiplier=...) without epochs (DP-SGD with Poisson sampling only):
+# beyond the runs Opacus' examples train (10 to 90 epochs); pricing it at plan time composes the PLD of
+# one step 100 times per epoch's steps (0.5 to 2 s: a larger sample rate makes a wider PLD).
+UNPLANNED_EPOCHS = 100
+_OPACUS_ACCOUNTANTS = ("prv", "rdp", "gdp")
+
+
+class PrivacyEngine:
+    """Opacus' ``PrivacyEngine`` interface on opake's planned runs (module docstring).
+
+    ``accountant`` accepts Opacus' names ("prv", "rdp", "gdp") and ignores them: a run is priced
+    by the accountant proven for its mechanism (for Poisson DP-SGD a PLD, tighter than the three).
+    ``privacy_engine.accountant`` is the run's (``get_epsilon``, ``mechanism``, ``history``).
+    """
+
+    def __init__(self, *, accountant: str = "prv", secure_mode: bool = False):
+        if accountant not in _OPACUS_ACCOUNTANTS:
+            raise ValueError(f"accountant must be one of Opacus' names {_OPACUS_ACCOUNTANTS} (each means the run's "
+                             f"own proven accountant here), got {accountant!r}")
+        self.secure_mode = bool(secure_mode)
+        self.private: PrivateTraining | None = None
+        self.choice = None
+        self.accountant = RunAccountant(self)
+
+    # -- planning -----------------------------------------------------------------------------------
+
+    def make_private(self, *, module, optimizer, data_loader, noise_multiplier, max_grad_norm, criterion=None,
+                     epochs=None, target_delta=None, batch_first=True, loss_reduction="mean", poisson_sampling=True,
+                     clipping="flat", noise_generator=None, grad_sample_mode="hooks", wrap_model=True,
+                     rand_on_empty=False, strategy=None, lr_scheduler=None, key=None, progress=None, **kwargs):
+        """Opacus' noise-multiplier form: returns ``(module, optimizer, data_loader)``.
+
+        DP-SGD with Poisson sampling by default (module docstring); ``epochs`` optional for it.
+        ``target_delta`` (default ``min(1e-5, 1 / len(dataset))``) is the delta of
+        ``self.private.epsilon``; ``get_epsilon(delta)`` answers for any delta. ``criterion`` is
+        accepted and unused (Opacus needs it for ghost clipping only). ``strategy``,
+        ``lr_scheduler``, ``key`` and ``progress`` are ``opake.torch.make_private``'s.
+        """
+        self._check(kwargs, dict(clipping=clipping, max_grad_norm=max_grad_norm, grad_sample_mode=grad_sample_mode,
+                                 noise_generator=noise_generator, batch_first=batch_first, wrap_model=wrap_model,
+                                 rand_on_empty=rand_on_empty), module)
+        strategy = identity_strategy() if strategy is None else strategy
+        sampling = _sampling(strategy, poisson_sampling)
+        if epochs is None:
+            epochs = _unplanned_horizon(strategy, sampling)
+        dataset, batch_size, loader_options = from_loader(data_loader)
+        if target_delta is None:
+            target_delta = min(1e-5, 1.0 / len(dataset))
+        return self._attach(module=module, optimizer=optimizer, dataset=dataset, batch_size=batch_size, epochs=epochs,
+                            max_grad_norm=max_grad_norm, noise_multiplier=noise_multiplier, target_delta=target_delta,
+                            strategy=strategy, sampling=sampling, lr_scheduler=lr_scheduler, key=key,
+                            loss_reduction=loss_reduction, progress=progress, loader_options=loader_options)
+
+    def make_private_with_epsilon(self, *, module, optimizer, data_loader, target_epsilon, target_delta, epochs,
+                                  max_grad_norm, criterion=None, batch_first=True, loss_reduction="mean",
+                                  poisson_sampling=True, clipping="flat", noise_generator=None,
+                                  grad_sample_mode="hooks", wrap_model=True, strategy=None, lr_scheduler=None,
+                                  key=None, progress=None, **kwargs):
+        """The mechanism with the least noise at ``(target_epsilon, target_delta)`` over ``epochs``.
+
+        ``self.choice`` says which and why (``opake.torch.choice``); ``strategy=`` keeps the
+        choice to that strategy; ``poisson_sampling=False`` to balls-in-bins batches. The
+        returned optimizer's run meets the budget: ``self.private.epsilon <= target_epsilon``.
+        """
+        self._check(kwargs, dict(clipping=clipping, max_grad_norm=max_grad_norm, grad_sample_mode=grad_sample_mode,
+                                 noise_generator=noise_generator, batch_first=batch_first, wrap_model=wrap_model),
+                    module)
+        dataset, batch_size, loader_options = from_loader(data_loader)
+        choice = choose_mechanism(num_examples=len(dataset), batch_size=batch_size, epochs=epochs,
+                                  target_epsilon=target_epsilon, target_delta=target_delta, optimizer=optimizer,
+                                  lr_scheduler=lr_scheduler, strategy=strategy,
+                                  sampling=None if poisson_sampling else "balls_in_bins", progress=progress)
+        returned = self._attach(module=module, optimizer=optimizer, dataset=dataset, batch_size=batch_size,
+                                epochs=epochs, max_grad_norm=max_grad_norm, noise_multiplier=choice.noise_multiplier,
+                                target_delta=target_delta, strategy=choice.strategy, sampling=choice.sampling,
+                                lr_scheduler=lr_scheduler, key=key, loss_reduction=loss_reduction,
+                                progress=progress, loader_options=loader_options)
+        planned = self.private.epsilon
+        if not planned <= choice.target_epsilon:  # the choice priced this accountant at this sigma: never
+            self.private.detach()
+            self.private = None
+            raise RuntimeError(f"the planned run's epsilon {planned} exceeds the target {choice.target_epsilon}; "
+                               f"nothing was trained (please report this)")
+        self.choice = choice
+        return returned
+
+    def get_epsilon(self, delta: float) -> float:
+        """The epsilon spent so far, by the steps taken, at ``delta`` (``self.accountant.get_epsilon``)."""
+        return self.accountant.get_epsilon(delta)
+
+    # -- Opacus' other calls ------------------------------------------------------------------------------
+
+    @classmethod
+    def get_compatible_module(cls, module):
+        """A copy of ``module`` opake can clip per example (``opake.torch.fix_model``: BatchNorm to
+        GroupNorm, nn.LSTM/GRU/RNN and Opacus' DPLSTM/DPGRU to opake's); raises
+        ``ModelValidationError`` for what it cannot fix."""
+        fixed = fix_model(module)
+        require_valid_model(fixed)
+        return fixed
+
+    @classmethod
+    def is_compatible(cls, *, module, **ignored) -> bool:
+        """Whether ``make_private`` would accept ``module``'s layers."""
+        from opake.torch.validation import validate_model
+
+        return not validate_model(module)
+
+    def save_checkpoint(self, *, path, module, optimizer=None, **options) -> None:
+        """Opacus' call: the run's checkpoint plus ``checkpoint_dict`` (``opake.torch.opacus.checkpoint``)."""
+        save_checkpoint(self, path=path, module=module, optimizer=optimizer, **options)
+
+    def load_checkpoint(self, *, path, module, optimizer=None, draws=None, fresh_key=None, **options) -> dict:
+        """Opacus' call; the noise after the checkpoint is new unless ``draws="replay"``
+        (``opake.torch.opacus.checkpoint`` says why). Returns the rest of the saved dict."""
+        return load_checkpoint(self, path=path, module=module, optimizer=optimizer, draws=draws,
+                               fresh_key=fresh_key, **options)
+
+    # -- inside ----------------------------------------------------------------------------------------
+
+    def _check(self, extra: dict, options: dict, module) -> None:
+        if self.private is not None:
+            raise ValueError("this PrivacyEngine has planned a run already; build a new PrivacyEngine for "
+                             "another run (opake prices one planned run, it does not compose runs)")
+        if extra:
+            raise TypeError(f"opake's PrivacyEngine does not take {sorted(extra)} (Opacus options it does not "
+                            f"implement); see docs/from_opacus.md")
+        refuse_other_options(**options)
+        require_valid_model(module)  # before the seconds a choice can take
+
+    def _attach(self, *, loader_options: dict, key, **arguments):
+        private = make_private(key=run_key(key, self.secure_mode), **arguments, **loader_options)
+        as_opacus_optimizer(private.optimizer)
+        self.private = private
+        return private.module, private.optimizer, private.data_loader  # one epoch of the plan per pass
+
+
+def _sampling(strategy, poisson_sampling: bool) -> str:
+    """Poisson for a banded strategy unless ``poisson_sampling=False``; a BLT on balls in bins always
+    (Poisson amplification is not proven for it)."""
+    if getattr(strategy, "bands", None) is None:
+        return "balls_in_bins"
+    return "poisson" if poisson_sampling else "balls_in_bins"
+
+
+def _unplanned_horizon(strategy, sampling: str) -> int:
+    if getattr(strategy, "bands", None) == 1 and sampling == "poisson":
+        return UNPLANNED_EPOCHS
+    mechanism = ("DP-SGD on balls-in-bins batches (poisson_sampling=False), whose random-allocation bound "
+                 "depends on how often each bin is served" if getattr(strategy, "bands", None) == 1 else
+                 f"{type(strategy).__name__}'s correlated noise, which is optimized and priced for the run's length")
+    raise TypeError(f"make_private without epochs= plans DP-SGD with Poisson sampling only; {mechanism} needs "
+                    f"the number of epochs the loop runs: add epochs=EPOCHS")

@@ -1,0 +1,60 @@
+"""DPTrainer on several processes (2 gloo ranks on CPU, spawned with torchrun's environment).
+
+Replicated (Trainer's DDP wrap kept from synchronizing gradients) and FSDP (``fsdp=True``: the
+model sharded with fully_shard by DPTrainer before planning) train what one process trains with
+the same key: the same epsilon and steps, parameters within float summation order. Each rank
+saves its own part of the noise state in every checkpoint, and a run resumed from them with the
+explicit replay choice ends on the uninterrupted run's parameters.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+pytest.importorskip("transformers")
+
+import transformers_distributed_workers as workers  # noqa: E402
+
+WORLD_SIZE = 2
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("trainer")
+    mp.spawn(workers.worker, args=(WORLD_SIZE, _free_port(), str(folder)), nprocs=WORLD_SIZE)
+    return [torch.load(folder / f"rank{rank}.pt", weights_only=False) for rank in range(WORLD_SIZE)]
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    return workers.train(tmp_path_factory.mktemp("single"))
+
+
+def _relative(got: dict, expected: dict) -> float:
+    return max(float((got[name] - expected[name]).norm() / expected[name].norm()) for name in expected)
+
+
+@pytest.mark.parametrize("mode", ["replicated", "fsdp"])
+def test_dp_trainer_on_two_ranks_is_the_one_process_run(ranks, single, mode):
+    for result in ranks:
+        assert result[mode]["epsilon"] == single["epsilon"] and result[mode]["steps"] == single["steps"]
+        assert _relative(result[mode]["params"], single["params"]) < 1e-5
+    assert _relative(ranks[1][mode]["params"], ranks[0][mode]["params"]) < 1e-6
+
+
+def test_each_rank_checkpoints_its_noise_state_and_resumes_with_replay(ranks):
+    for rank, result in enumerate(ranks):
+        assert result["replicated"]["files"] == sorted(f"opake_private-rank{r}-of-{WORLD_SIZE}.pt"
+                                                      for r in range(WORLD_SIZE) for _ in ("checkpoint-3", "checkpoint-6"))
+        assert result["resumed"]["steps"] == result["replicated"]["steps"]
+        assert _relative(result["resumed"]["params"], result["replicated"]["params"]) == 0.0
