@@ -26,7 +26,7 @@ plan: $(VENV)/.installed
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/blt_resolve.py
-	$(PY) benchmarks/noise_engine.py --quick
+	$(PY) benchmarks/noise_engine.py --sizes 1000000
 	$(PY) benchmarks/accounting.py
 
 clean:

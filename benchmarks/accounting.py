@@ -1,12 +1,15 @@
 """Accounting benchmark: epsilon_at, calibrate, and Monte Carlo balls-in-bins timings.
 
-Run: .venv/bin/python benchmarks/accounting.py [--skip-blt] [--only PART]
+Run: .venv/bin/python benchmarks/accounting.py [--skip-blt] [--only PART] [--quick]
 
 Without --only every part runs, in this order: calibrate (mf_gaussian calibration and Monte
 Carlo balls-in-bins), seed (the seed's balls-in-bins example), plan (``plan_times``: make_private
 and ``opake plan`` at the issue-19 sizes, a fresh interpreter each), tightness and evaluation
 (the amplified bound's epsilon and seconds per evaluation). ``--only plan`` runs just the plan
-timings (about a minute).
+timings (about a minute). ``--quick`` runs every part at tiny sizes (seconds: a smoke test of the
+code paths, not a measurement, without the issues' verdicts): one small context, 5000 Monte Carlo
+samples over 10 bins, make_private's plan of 2000 examples in a fresh interpreter, one tightness
+row and one evaluation row.
 
 Single-threaded BLAS (the Monte Carlo target is "one core"). Targets from issue 4:
 calibrate for mf_gaussian under 50 ms once the strategy is resolved; Monte Carlo
@@ -32,6 +35,10 @@ from opake.dpftrl.noise import blt_strategy, identity_strategy  # noqa: E402
 DELTA = 1e-5
 BUDGET = acc.epsilon_budget(8.0, DELTA)
 CONTEXTS = [(5000, 100, 5), (500, 100, 5), (10000, 1, 1)]  # the seed page's runs + single participation
+QUICK_CONTEXTS = [(200, 20, 5)]
+# (bins, steps per strategy, Monte Carlo samples, BLT buffers) of the Monte Carlo table
+MONTE_CARLO = (100, {"identity": (500, 5000), "blt": (500,)}, 100_000, 10)
+QUICK_MONTE_CARLO = (10, {"identity": (50,), "blt": (50,)}, 5_000, 3)
 
 
 def best_of(function, repeats):
@@ -53,7 +60,9 @@ def calibrate_for(strategy, context):
 
 
 def main(args):
-    peer = best_of(lambda: dp_accounting.get_sigma_gaussian(BUDGET.epsilon, DELTA), 20)
+    quick = getattr(args, "quick", False)
+    num_bins, monte_carlo_steps, num_samples, buffers = QUICK_MONTE_CARLO if quick else MONTE_CARLO
+    peer = best_of(lambda: dp_accounting.get_sigma_gaussian(BUDGET.epsilon, DELTA), 3 if quick else 20)
     rows = []
     strategies = [("identity", identity_strategy())]
     if args.skip_blt:
@@ -62,17 +71,17 @@ def main(args):
         try:
             from opake.dpftrl.strategies import blt_optimize  # noqa: F401
 
-            strategies.append(("blt(10)", blt_strategy(max_buffers=10)))
+            strategies.append((f"blt({buffers})", blt_strategy(max_buffers=buffers)))
         except ImportError:
             print("opake.dpftrl.strategies.blt_optimize is missing: BLT rows skipped")
     for name, strategy in strategies:
-        for context in CONTEXTS:
+        for context in QUICK_CONTEXTS if quick else CONTEXTS:
             start = time.perf_counter()
             result = calibrate_for(strategy, context)  # first call: resolves (optimizes) the strategy
             cold = time.perf_counter() - start
-            warm = best_of(lambda: calibrate_for(strategy, context), 5)
+            warm = best_of(lambda: calibrate_for(strategy, context), 2 if quick else 5)
             proc = result.process
-            eps_time = best_of(lambda: proc.epsilon_at(DELTA), 50)
+            eps_time = best_of(lambda: proc.epsilon_at(DELTA), 5 if quick else 50)
             rows.append((name, context, proc.sensitivity, result.param, eps_time, warm, cold, result.num_evaluations))
 
     print(f"\ncalibrate to (epsilon={BUDGET.epsilon}, delta={DELTA}); peer dp_accounting.get_sigma_gaussian: {peer * 1e3:.2f} ms")
@@ -85,8 +94,9 @@ def main(args):
             f"{warm / 0.05:6.3f} {warm / peer:6.2f} {evals:5d} {cold:8.2f}"
         )
 
-    print("\nballs-in-bins, 100 bins, noise multiplier 4.0, epsilon at delta=1e-3")
-    print("Monte Carlo: 1e5 samples (target 10 s on one core); 'upper' is its 95% upper confidence bound")
+    print(f"\nballs-in-bins, {num_bins} bins, noise multiplier 4.0, epsilon at delta=1e-3")
+    print(f"Monte Carlo: {num_samples:.0e} samples (target 10 s on one core for 1e5); 'upper' is its 95% upper "
+          f"confidence bound")
     header = (
         f"{'strategy':10} {'n_steps':>8} {'mc build s':>10} {'/10s':>6} {'eps_at ms':>9} {'mc est':>7} "
         f"{'mc upper':>8} {'rdp s':>6} {'rdp':>7} {'rigorous':>8}"
@@ -94,19 +104,20 @@ def main(args):
     print(header)
     print("-" * len(header))
     for name, strategy in strategies:
-        for n_steps in (500, 5000) if name == "identity" else (500,):
+        for n_steps in monte_carlo_steps["identity" if name == "identity" else "blt"]:
             inner = dpftrl_acc.mf_gaussian(4.0, strategy)
-            rigorous = dpftrl_acc.balls_in_bins(inner, num_bins=100, n_steps=n_steps, method="rigorous")  # resolves outside the timings
+            # resolves outside the timings
+            rigorous = dpftrl_acc.balls_in_bins(inner, num_bins=num_bins, n_steps=n_steps, method="rigorous")
             start = time.perf_counter()
             proc = dpftrl_acc.balls_in_bins(
-                inner, num_bins=100, n_steps=n_steps, method="monte_carlo", num_samples=100_000, seed=0
+                inner, num_bins=num_bins, n_steps=n_steps, method="monte_carlo", num_samples=num_samples, seed=0
             )
             build = time.perf_counter() - start
             start = time.perf_counter()
             estimate = proc.epsilon_estimate(1e-3)
             eps_time = time.perf_counter() - start
             start = time.perf_counter()
-            rdp = dpftrl_acc.balls_in_bins(inner, num_bins=100, n_steps=n_steps, method="amplified")
+            rdp = dpftrl_acc.balls_in_bins(inner, num_bins=num_bins, n_steps=n_steps, method="amplified")
             rdp_time = time.perf_counter() - start
             print(
                 f"{name:10} {n_steps:8d} {build:10.3f} {build / 10:6.3f} {eps_time * 1e3:9.1f} "
@@ -115,34 +126,40 @@ def main(args):
             )
 
 
-def seed_balls_in_bins():
-    """The seed's balls-in-bins example at delta 1e-5: each bound's epsilon and the default's time."""
-    inner = dpftrl_acc.mf_gaussian(1.0, blt_strategy(max_buffers=10))
+def seed_balls_in_bins(quick: bool = False):
+    """The seed's balls-in-bins example at delta 1e-5: each bound's epsilon and the default's time
+    (``quick``: 10 bins, 50 steps, 3 buffers; the issues' targets are for the seed's sizes)."""
+    num_bins, n_steps = (10, 50) if quick else (100, 500)
+    inner = dpftrl_acc.mf_gaussian(1.0, blt_strategy(max_buffers=3 if quick else 10))
     start = time.perf_counter()
-    rigorous = dpftrl_acc.balls_in_bins(inner, num_bins=100, n_steps=500, method="rigorous")
+    rigorous = dpftrl_acc.balls_in_bins(inner, num_bins=num_bins, n_steps=n_steps, method="rigorous")
     resolve = time.perf_counter() - start
     start = time.perf_counter()
-    proven = _amplified(inner, 100, 500)
+    proven = _amplified(inner, num_bins, n_steps)
     epsilon = proven.epsilon_at(DELTA)
     seconds = time.perf_counter() - start
     from opake.dpftrl.accounting.allocation.rdp import rdp_epsilon
 
     renyi = max(rdp_epsilon(proven.remove, DELTA), rdp_epsilon(proven.add, DELTA))
-    print("\nseed example: balls_in_bins(mf_gaussian(1.0, blt_strategy(max_buffers=10)), 100 bins, 500 steps, "
-          "method='amplified')")
+    print(f"\nseed example: balls_in_bins(mf_gaussian(1.0, blt_strategy(max_buffers={3 if quick else 10})), "
+          f"{num_bins} bins, {n_steps} steps, method='amplified')"
+          + (" (--quick: not the seed's sizes)" if quick else ""))
+    verdicts = "" if quick else (
+        f" (issue 14: <= 23.0 in under 10 s: {'met' if epsilon <= 23.0 and seconds + resolve < 10 else 'NOT met'}; "
+        f"issue 19: <= 2% above the Monte Carlo 22.05: {'met' if epsilon <= 22.05 * 1.02 else 'NOT met'})")
     print(f"  unamplified {rigorous.epsilon_at(DELTA):.3f}; Renyi alone {renyi:.3f}; amplified (proven, aligned pair) "
-          f"{epsilon:.3f} in {seconds:.2f} s after a {resolve:.2f} s resolve (issue 14: <= 23.0 in under 10 s: "
-          f"{'met' if epsilon <= 23.0 and seconds + resolve < 10 else 'NOT met'}; issue 19: <= 2% above the "
-          f"Monte Carlo 22.05: {'met' if epsilon <= 22.05 * 1.02 else 'NOT met'})")
+          f"{epsilon:.3f} in {seconds:.2f} s after a {resolve:.2f} s resolve{verdicts}")
     # The same context for DP-SGD (C = I: its bins do not interact), priced by the default,
     # the random-allocation PLD (docs/allocation_pld.md).
     start = time.perf_counter()
-    allocation = dpftrl_acc.balls_in_bins(dpftrl_acc.mf_gaussian(1.0, identity_strategy()), num_bins=100,
-                                          n_steps=500)
+    allocation = dpftrl_acc.balls_in_bins(dpftrl_acc.mf_gaussian(1.0, identity_strategy()), num_bins=num_bins,
+                                          n_steps=n_steps)
     epsilon = allocation.epsilon_at(DELTA)
     seconds = time.perf_counter() - start
-    print(f"  DP-SGD on the same bins (identity strategy): random-allocation PLD {epsilon:.3f} in {seconds:.2f} s "
-          f"(issue 19: <= 6.90 in under 5 s: {'met' if epsilon <= 6.90 and seconds < 5 else 'NOT met'})")
+    verdict = "" if quick else (
+        f" (issue 19: <= 6.90 in under 5 s: {'met' if epsilon <= 6.90 and seconds < 5 else 'NOT met'})")
+    print(f"  DP-SGD on the same bins (identity strategy): random-allocation PLD {epsilon:.3f} in {seconds:.2f} s"
+          f"{verdict}")
 
 
 def _amplified(inner, num_bins, n_steps):
@@ -166,14 +183,15 @@ TIGHTNESS_RUNS = [
 ]
 
 
-def tightness():
-    """The proven amplified epsilon against the issue's Monte Carlo reference, with its time."""
+def tightness(quick: bool = False):
+    """The proven amplified epsilon against the issue's Monte Carlo reference, with its time
+    (``quick``: the first configuration only)."""
     print("\namplified bound of the aligned pair (proven) against the Monte Carlo truth quoted in issue 19")
     header = (f"{'configuration':22} {'bins':>5} {'steps':>6} {'sigma':>7} {'delta':>6} {'before':>7} {'now':>7} "
               f"{'MC':>6} {'slack':>6} {'target':>7} {'seconds':>8}")
     print(header)
     print("-" * len(header))
-    for name, buffers, num_bins, n_steps, sigma, delta, before, truth, target in TIGHTNESS_RUNS:
+    for name, buffers, num_bins, n_steps, sigma, delta, before, truth, target in TIGHTNESS_RUNS[:1 if quick else None]:
         strategy = blt_strategy() if buffers is None else blt_strategy(max_buffers=buffers)
         inner = dpftrl_acc.mf_gaussian(sigma, strategy)
         dpftrl_acc.balls_in_bins(inner, num_bins=num_bins, n_steps=n_steps, method="rigorous")  # resolve first
@@ -189,18 +207,20 @@ def tightness():
 # Issue 19, item 2: one evaluation (build the bound at a new sigma, then epsilon_at) at the plans'
 # sizes, after a first evaluation that caches what does not depend on sigma (target: well under 0.3 s).
 EVALUATION_RUNS = [(976, 2928, (14.6, 5.34, 2.26)), (781, 15620, (48.8, 17.8, 7.54))]
+QUICK_EVALUATION_RUNS = [(20, 60, (5.0,))]
 
 
-def evaluation_times():
-    """Seconds per evaluation of the amplified bound (BLT, delta 1e-6) at the plans' sizes."""
+def evaluation_times(quick: bool = False):
+    """Seconds per evaluation of the amplified bound (BLT, delta 1e-6) at the plans' sizes
+    (``quick``: 20 bins, 60 steps, one sigma)."""
     import warnings
 
-    strategy = blt_strategy()
+    strategy = blt_strategy(max_buffers=3) if quick else blt_strategy()
     print("\namplified bound per evaluation at the plans' sizes (BLT, delta 1e-6; target well under 0.3 s)")
     header = f"{'bins':>5} {'steps':>6} {'sigma':>7} {'first s':>8} {'eval s':>8} {'/0.3s':>6} {'epsilon':>8} {'unampl.':>8} {'warnings':>8}"
     print(header)
     print("-" * len(header))
-    for num_bins, n_steps, sigmas in EVALUATION_RUNS:
+    for num_bins, n_steps, sigmas in QUICK_EVALUATION_RUNS if quick else EVALUATION_RUNS:
         dpftrl_acc.balls_in_bins(dpftrl_acc.mf_gaussian(1.0, strategy), num_bins=num_bins, n_steps=n_steps,
                                  method="rigorous")  # resolve the BLT outside the timings
         for index, sigma in enumerate(sigmas):
@@ -211,7 +231,7 @@ def evaluation_times():
                 start = time.perf_counter()
                 epsilon = _amplified(inner, num_bins, n_steps).epsilon_at(1e-6)
                 first = time.perf_counter() - start
-                seconds = best_of(lambda: _amplified(inner, num_bins, n_steps).epsilon_at(1e-6), 3)
+                seconds = best_of(lambda: _amplified(inner, num_bins, n_steps).epsilon_at(1e-6), 1 if quick else 3)
             unamplified = dpftrl_acc.balls_in_bins(inner, num_bins=num_bins, n_steps=n_steps,
                                                    method="rigorous").epsilon_at(1e-6)
             first_text = f"{first:8.3f}" if index == 0 else f"{'':8}"
@@ -223,6 +243,7 @@ def evaluation_times():
 # cached: the strategy is resolved and the noise calibrated from scratch), one core, progress off.
 PLAN_RUNS = [(1_000_000, 1024, 3), (50_000, 64, 20)]  # (examples, batch size, epochs)
 PLAN_EPSILONS = (3.0, 8.0)
+QUICK_PLAN_RUNS, QUICK_PLAN_EPSILONS = [(2000, 100, 2)], (8.0,)
 PLAN_TARGET_SECONDS = 5.0
 _MAKE_PRIVATE_PLAN = """
 import time, torch
@@ -259,7 +280,7 @@ print(seconds, rows["BLT amplified"]["noise_multiplier"], rows["BLT amplified"][
 """
 
 
-def plan_times():
+def plan_times(quick: bool = False):
     """make_private's planning (a tiny model, so the time is the plan) and ``opake plan`` against 5 s.
 
     make_private runs with its default accounting (for a BLT: the unamplified bound) and with
@@ -277,11 +298,11 @@ def plan_times():
               f"{'sigma':>9} {'warnings':>8}")
     print(header)
     print("-" * len(header))
-    for num_examples, batch_size, epochs in PLAN_RUNS:
-        for epsilon in PLAN_EPSILONS:
-            for what, code, amplification in (("make_private", _MAKE_PRIVATE_PLAN, None),
-                                              ("  amplified", _MAKE_PRIVATE_PLAN, True),
-                                              ("opake plan", _OPAKE_PLAN, None)):
+    for num_examples, batch_size, epochs in QUICK_PLAN_RUNS if quick else PLAN_RUNS:
+        for epsilon in QUICK_PLAN_EPSILONS if quick else PLAN_EPSILONS:
+            kinds = (("make_private", _MAKE_PRIVATE_PLAN, None), ("  amplified", _MAKE_PRIVATE_PLAN, True),
+                     ("opake plan", _OPAKE_PLAN, None))
+            for what, code, amplification in kinds[:1 if quick else None]:
                 script = code.format(num_examples=num_examples, batch_size=batch_size, epochs=epochs,
                                      epsilon=epsilon, delta=DELTA, amplification=amplification)
                 done = subprocess.run([sys.executable, "-W", "always", "-c", script], capture_output=True, text=True)
@@ -299,10 +320,10 @@ def plan_times():
 
 PARTS = {
     "calibrate": lambda args: main(args),
-    "seed": lambda args: seed_balls_in_bins(),
-    "plan": lambda args: plan_times(),
-    "tightness": lambda args: tightness(),
-    "evaluation": lambda args: evaluation_times(),
+    "seed": lambda args: seed_balls_in_bins(args.quick),
+    "plan": lambda args: plan_times(args.quick),
+    "tightness": lambda args: tightness(args.quick),
+    "evaluation": lambda args: evaluation_times(args.quick),
 }
 
 
@@ -311,6 +332,7 @@ def parse_args(argv=None):
     parser.add_argument("--skip-blt", action="store_true", help="skip the BLT rows of 'calibrate' (optimizer time)")
     parser.add_argument("--only", choices=tuple(PARTS), action="append",
                         help="run only this part (repeatable); default: every part")
+    parser.add_argument("--quick", action="store_true", help="every part at tiny sizes (seconds): a smoke test")
     return parser.parse_args(argv)
 
 

@@ -4,6 +4,7 @@ Run with opake's interpreter from the repository root:
 
     .venv/bin/python benchmarks/blt_resolve.py             # peer figures from the cache
     .venv/bin/python benchmarks/blt_resolve.py --run-peer  # recompute the peer live (minutes)
+    .venv/bin/python benchmarks/blt_resolve.py --quick     # seconds: two small contexts, n = 1e3 schedule
 
 For each participation context it clears the resolve cache and times one cold
 ``blt_strategy(max_buffers=10, error=...).resolve(n_steps, min_sep, max_participations)``, then
@@ -199,7 +200,7 @@ def _timed_resolve(recipe, n: int) -> dict:
             "max_loss": float(mech.max_loss)}
 
 
-def schedule_rows(sizes) -> list[dict]:
+def schedule_rows(sizes, settings=SCHEDULE_SGD) -> list[dict]:
     """Cold resolves with and without the warmup-cosine schedule, per size and SGD setting."""
     from opake.dpftrl.noise import blt_strategy
 
@@ -208,7 +209,7 @@ def schedule_rows(sizes) -> list[dict]:
     rows = []
     for n in sizes:
         eta = tuple(warmup_cosine(n))
-        for label, sgd in SCHEDULE_SGD:
+        for label, sgd in settings:
             constant = _timed_resolve(blt_strategy(workload="parameters", **sgd), n)
             scheduled = _timed_resolve(blt_strategy(workload="parameters", lr_schedule=eta, **sgd), n)
             rows.append({"n_steps": n, "sgd": label, "constant": constant, "scheduled": scheduled,
@@ -441,12 +442,23 @@ def main(argv=None) -> int:
                         help="seconds before a live peer call is abandoned as too slow (default 600)")
     parser.add_argument("--only", action="append", default=[], metavar="TEXT",
                         help="run only contexts whose label contains TEXT (repeatable)")
-    parser.add_argument("--out", type=Path, default=OUT_FILE, help="JSON output path")
-    parser.add_argument("--schedule-sizes", type=int, nargs="*", default=list(SCHEDULE_SIZES),
-                        help="horizons of the learning-rate schedule table (default 1e3 1e4 1e5 1e6; none to skip)")
+    parser.add_argument("--out", type=Path, default=None, help="JSON output path (default benchmarks/out/blt_resolve"
+                                                                 "[_quick].json)")
+    parser.add_argument("--schedule-sizes", type=int, nargs="*", default=None,
+                        help="horizons of the learning-rate schedule table (default 1e3 1e4 1e5 1e6, quick 1e3; "
+                             "none to skip)")
+    parser.add_argument("--quick", action="store_true",
+                        help="seconds, a smoke test: contexts 'single 1e3' and 'n=2000 b=100 k=None' (unless --only), "
+                             "the schedule table at n = 1e3 with momentum only")
     parser.add_argument("--buffers", action="store_true",
                         help="also check the buffer counts under schedules (forced counts, optimal Toeplitz; minutes)")
     args = parser.parse_args(argv)
+    if args.quick and not args.only:
+        args.only = ["single 1e3", "n=2000 b=100 k=None"]
+    if args.schedule_sizes is None:
+        args.schedule_sizes = [1_000] if args.quick else list(SCHEDULE_SIZES)
+    if args.out is None:
+        args.out = OUT_FILE.with_name("blt_resolve_quick.json") if args.quick else OUT_FILE
 
     contexts = [c for c in CONTEXTS if not args.only or any(t in c[0] for t in args.only)]
     singles = [n for (_, n, b, k, e) in contexts if k == 1]
@@ -541,7 +553,8 @@ def main(argv=None) -> int:
     if not problems:
         print(f"optimal Toeplitz values match the docs/math.md table ({len(OPTIMAL_TABLE)} values, 6 decimals)")
 
-    sched_rows = schedule_rows(args.schedule_sizes) if args.schedule_sizes else []
+    settings = SCHEDULE_SGD[:1] if args.quick else SCHEDULE_SGD
+    sched_rows = schedule_rows(args.schedule_sizes, settings) if args.schedule_sizes else []
     if sched_rows:
         print("\nlearning-rate schedule (torch.optim.SGD parameter workload, 5% warmup + cosine), one cold resolve each;"
               "\nconst = the same workload without a schedule, in the same run; seconds wall (cpu for the scheduled one)")

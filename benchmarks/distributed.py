@@ -7,6 +7,7 @@ B = 4 hand-made float32-exact BLT buffers, one thread per rank. For each world s
 rank's buffer bytes. The single-process engine (``mf_gaussian_noise``) is the floor.
 
 Run: .venv/bin/python benchmarks/distributed.py [--steps 4] [--worlds 1,2,4]
+     .venv/bin/python benchmarks/distributed.py --quick    # d = 1e5 (10 tensors of 1e4), world 2, 2 steps
 On a machine with fewer cores than ranks, ranks share cores: the step time then measures
 oversubscription, not scaling; the memory column is exact regardless.
 """
@@ -38,11 +39,11 @@ def mechanism(n_steps: int):
     return mechanism_from_blt(params, Participation(n_steps))
 
 
-def template():
-    return {f"layer{i:02d}": torch.zeros(LEAF) for i in range(D_LEAVES)}
+def template(leaf: int = LEAF):
+    return {f"layer{i:02d}": torch.zeros(leaf) for i in range(D_LEAVES)}
 
 
-def worker(rank: int, world_size: int, init_file: str, steps: int, out_file: str):
+def worker(rank: int, world_size: int, init_file: str, steps: int, out_file: str, leaf: int = LEAF):
     torch.set_num_threads(1)
     from opake.dpftrl.noise import sharded_mf_gaussian_noise
     from opake.dpftrl.noise.distributed import gathered
@@ -60,9 +61,9 @@ def worker(rank: int, world_size: int, init_file: str, steps: int, out_file: str
         return result
 
     gathered._gather = timed_gather
-    noise_fn, state = sharded_mf_gaussian_noise(template(), mechanism(steps + 1), n_steps=steps + 1,
+    noise_fn, state = sharded_mf_gaussian_noise(template(leaf), mechanism(steps + 1), n_steps=steps + 1,
                                                 noise_multiplier=1.0, key=key(0))
-    grads = clipped(template(), 1.0)
+    grads = clipped(template(leaf), 1.0)
     _, state = noise_fn(grads, state)  # warm-up
     gather_times.clear()
     step_times = []
@@ -80,15 +81,15 @@ def worker(rank: int, world_size: int, init_file: str, steps: int, out_file: str
     dist.destroy_process_group()
 
 
-def floor(steps: int) -> float:
+def floor(steps: int, leaf: int = LEAF) -> float:
     from opake.dpftrl.noise import mf_gaussian_noise
     from opake.random import key
     from opake.types import clipped
 
     torch.set_num_threads(1)
-    noise_fn, state = mf_gaussian_noise(template(), mechanism(steps + 1), n_steps=steps + 1,
+    noise_fn, state = mf_gaussian_noise(template(leaf), mechanism(steps + 1), n_steps=steps + 1,
                                         noise_multiplier=1.0, key=key(0))
-    grads = clipped(template(), 1.0)
+    grads = clipped(template(leaf), 1.0)
     _, state = noise_fn(grads, state)
     times = []
     for _ in range(steps):
@@ -100,12 +101,16 @@ def floor(steps: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--worlds", default="1,2,4")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps (default 4; quick 2)")
+    parser.add_argument("--worlds", default=None, help="world sizes (default 1,2,4; quick 2)")
+    parser.add_argument("--quick", action="store_true", help="d = 1e5, world 2, 2 steps (seconds)")
     args = parser.parse_args()
+    args.steps = args.steps or (2 if args.quick else 4)
+    args.worlds = args.worlds or ("2" if args.quick else "1,2,4")
+    leaf = LEAF // 100 if args.quick else LEAF
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    single = floor(args.steps)
-    d, b = D_LEAVES * LEAF, len(OMEGA)
+    single = floor(args.steps, leaf)
+    d, b = D_LEAVES * leaf, len(OMEGA)
     print(f"d = {d:.0e} float32, B = {b}, cores = {os.cpu_count()}, steps timed = {args.steps} (median)")
     print(f"single-process engine (floor): {single * 1e3:8.1f} ms/step, state {b * d * 4 / 2**20:7.1f} MiB")
     print(f"{'world':>5} {'ms/step':>9} {'x floor':>8} {'gather ms':>10} {'gather %':>9} "
@@ -113,7 +118,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         for world_size in (int(w) for w in args.worlds.split(",")):
             out = os.path.join(folder, f"world{world_size}.pt")
-            mp.spawn(worker, args=(world_size, os.path.join(folder, f"init{world_size}"), args.steps, out),
+            mp.spawn(worker, args=(world_size, os.path.join(folder, f"init{world_size}"), args.steps, out, leaf),
                      nprocs=world_size)
             result = torch.load(out)
             print(f"{world_size:>5} {result['step'] * 1e3:>9.1f} {result['step'] / single:>8.2f} "

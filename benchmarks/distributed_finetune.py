@@ -14,6 +14,7 @@ invocation. With Opacus installed in its own interpreter (``OPAKE_PEER_OPACUS`` 
 the same model and batches beside it (benchmarks/peers/opacus_fsdp.py).
 
 Run: .venv/bin/python benchmarks/distributed_finetune.py [--quick] [--ranks 1 2 4] [--steps 4]
+     (``--quick``: tiny sizes, W = 1 and 2, 2 steps, replicated and FSDP2 in one start-up of the ranks)
      [--device cuda]
 On a machine with fewer cores than ranks the ranks share cores: step times then measure the
 oversubscription, not the scaling; the memory columns are exact either way.
@@ -126,7 +127,7 @@ def run(mode: str, size: dict, steps: int, device: str) -> dict:
             "state": state_bytes(model, optimizer, private.optimizer.noise_state)}
 
 
-def worker(rank: int, world_size: int, mode: str, size: dict, steps: int, device: str, init: str, out: str):
+def worker(rank: int, world_size: int, modes: list, size: dict, steps: int, device: str, init: str, out: str):
     torch.set_num_threads(1)
     os.environ["OMP_NUM_THREADS"] = "1"
     if device == "cuda":
@@ -134,11 +135,14 @@ def worker(rank: int, world_size: int, mode: str, size: dict, steps: int, device
     dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method="file://" + init, rank=rank,
                             world_size=world_size)
     try:
-        result = run(mode, size, steps, f"cuda:{rank}" if device == "cuda" else "cpu")
-        everyone = [None] * world_size
-        dist.all_gather_object(everyone, result)
+        results = {}
+        for mode in modes:
+            result = run(mode, size, steps, f"cuda:{rank}" if device == "cuda" else "cpu")
+            everyone = [None] * world_size
+            dist.all_gather_object(everyone, result)
+            results[mode] = everyone
         if rank == 0:
-            Path(out).write_text(json.dumps(everyone))
+            Path(out).write_text(json.dumps(results))
     finally:
         dist.destroy_process_group()
 
@@ -147,17 +151,22 @@ def measure(mode: str, world_size: int, size: dict, steps: int, device: str) -> 
     if world_size == 1 and mode == "single":
         torch.set_num_threads(1)
         return [run("single", size, steps, "cuda:0" if device == "cuda" else "cpu")]
+    return measure_modes([mode], world_size, size, steps, device)[mode]
+
+
+def measure_modes(modes: list, world_size: int, size: dict, steps: int, device: str) -> dict:
+    """Each mode in turn on the same ``world_size`` processes (``--quick``: one start-up for both)."""
     with tempfile.TemporaryDirectory() as folder:
         out = os.path.join(folder, "result.json")
-        mp.spawn(worker, args=(world_size, mode, size, steps, device, os.path.join(folder, "init"), out),
+        mp.spawn(worker, args=(world_size, modes, size, steps, device, os.path.join(folder, "init"), out),
                  nprocs=world_size)
         return json.loads(Path(out).read_text())
 
 
 def opacus_interpreter() -> str | None:
-    candidate = os.environ.get("OPAKE_PEER_OPACUS") or str(Path(__file__).resolve().parents[2] / "peer-opacus"
-                                                             / "bin" / "python")
-    return candidate if Path(candidate).exists() else None
+    candidate = Path(os.environ.get("OPAKE_PEER_OPACUS") or Path(__file__).resolve().parents[2] / "peer-opacus")
+    candidate = candidate / "bin" / "python" if candidate.is_dir() else candidate  # an environment, or its python
+    return str(candidate) if candidate.exists() else None
 
 
 def measure_opacus(world_size: int, size: dict, steps: int, device: str) -> list[dict] | str:
@@ -200,8 +209,12 @@ def main(argv=None) -> int:
     for world_size in ranks:
         if world_size == 1:
             continue
-        rows.append(("replicated", world_size, measure("replicated", world_size, size, steps, args.device)))
-        rows.append(("FSDP2", world_size, measure("fsdp2", world_size, size, steps, args.device)))
+        if args.quick:  # one start-up of the processes for both (each mode cleans up after itself)
+            both = measure_modes(["replicated", "fsdp2"], world_size, size, steps, args.device)
+        else:  # fresh processes per mode: nothing of one mode counts in the other's memory
+            both = {mode: measure(mode, world_size, size, steps, args.device) for mode in ("replicated", "fsdp2")}
+        rows.append(("replicated", world_size, both["replicated"]))
+        rows.append(("FSDP2", world_size, both["fsdp2"]))
         if not args.no_opacus:
             peer = measure_opacus(world_size, size, steps, args.device)
             rows.append(("Opacus ghost_fsdp", world_size, peer))

@@ -10,7 +10,8 @@ For each model (built from a config: nothing is downloaded), in one process, one
 - ``llama``: ``LlamaForCausalLM`` (4 layers, width 128, MLP 352, vocabulary 2048), every
   parameter trained;
 
-sequence 64, batch 16 (``--quick``: 2 layers, sequence 32, batch 8). The DP step goes through
+sequence 64, batch 16 (``--quick``, a smoke test of every path in seconds: 1 layer, width 32,
+sequence 16, batch 4, 2 repeats, memory in this process, no peer). The DP step goes through
 ``opake.torch.make_private`` (per-example clipping in backward, BLT noise in ``step``) and is fed
 by ``private.run_data_loader()`` (balls in bins: the batch sizes vary around the nominal one,
 and ``step()`` refuses batches the planned loader did not serve); the
@@ -82,8 +83,8 @@ WARMUP = 2  # the first DP step also checks the hooks' coverage (autograd's weig
 
 def sizes(quick: bool) -> dict:
     """Model and batch sizes; one full-size step takes 50-500 ms on one thread of this machine."""
-    if quick:
-        return {"layers": 2, "width": 128, "heads": 4, "sequence": 32, "batch": 8}
+    if quick:  # a smoke test of every path (seconds), not a measurement
+        return {"layers": 1, "width": 32, "heads": 2, "sequence": 16, "batch": 4}
     return {"layers": 4, "width": 128, "heads": 4, "sequence": 64, "batch": 16}
 
 
@@ -272,6 +273,8 @@ def memory_worker(name: str, mode: str, quick: bool, device: str, batch_sizes: l
 
 
 def run_memory_worker(name: str, mode: str, args, batch_sizes=()) -> dict:
+    if args.quick:  # the smoke test runs the worker in this process (its figures then count what is live here)
+        return memory_worker(name, mode, True, args.device, list(batch_sizes))
     command = [sys.executable, __file__, "--memory-worker", name, mode, "--threads", str(args.threads),
                "--device", args.device, "--sizes", ",".join(map(str, batch_sizes))]
     if args.quick:
@@ -510,7 +513,8 @@ def print_tables(results: dict, s: dict, args) -> None:
         print(f"{name:<10} {timing['plain_s'] * 1e3:>8.1f} {timing['dp_s'] * 1e3:>8.1f} {1 / timing['plain_s']:>7.2f} "
               f"{1 / timing['dp_s']:>6.2f} {_ratio_text(timing['ratio'], floor=floor):>10} "
               f"{timing['cpu_ratio']:>5.2f} {timing['median_ratio']:>6.2f} | {peer_text}")
-    print("\nMemory, fresh process per configuration. peak: torch's live tensors over 2 steady-state steps, counted "
+    where = "in this process (--quick)" if args.quick else "fresh process per configuration"
+    print(f"\nMemory, {where}. peak: torch's live tensors over 2 steady-state steps, counted "
           "from before the model (" + ("torch.cuda.max_memory_allocated" if cuda else
                                        "the profiler's record of every allocation and release")
           + "): weights, gradients, AdamW state, noise buffers, activations, the clipper's tensors. step: one "
@@ -539,9 +543,10 @@ def print_tables(results: dict, s: dict, args) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="2 layers, sequence 32, batch 8, 3 repeats")
+    parser.add_argument("--quick", action="store_true",
+                        help="1 layer, width 32, sequence 16, batch 4, 2 repeats, no peer: a smoke test (seconds)")
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--repeats", type=int, default=None, help="timed steps per side (default 15; quick 3)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed steps per side (default 15; quick 2)")
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--peers", choices=("opacus", "none"), default="opacus")
     parser.add_argument("--device", default="cpu")
@@ -550,7 +555,7 @@ def main(argv=None) -> int:
     parser.add_argument("--sizes", default="", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    args.repeats = args.repeats or (3 if args.quick else 15)
+    args.repeats = args.repeats or (2 if args.quick else 15)
     if args.memory_worker:
         name, mode = args.memory_worker
         batch_sizes = [int(n) for n in args.sizes.split(",") if n]
@@ -579,7 +584,8 @@ def main(argv=None) -> int:
             continue
         dp_memory = run_memory_worker(name, "dp", args)
         plain_memory = run_memory_worker(name, "plain", args, dp_memory.get("sizes", [s["batch"]] * 2))
-        peer = run_opacus(name, args, dp_memory.get("sizes", ())) if args.peers == "opacus" and not cuda else None
+        wants_peer = args.peers == "opacus" and not cuda and not args.quick
+        peer = run_opacus(name, args, dp_memory.get("sizes", ())) if wants_peer else None
         results[name] = {"timing": timing, "dp_memory": dp_memory, "plain_memory": plain_memory, "opacus": peer}
         print(f"[{name} measured in {time.perf_counter() - began:.0f} s]", file=sys.stderr, flush=True)
     print_tables(results, s, args)

@@ -27,23 +27,34 @@ On a GPU (``--device cuda``) the same table is measured on the device: the floor
 during one step, and the peers are not run (their environments are CPU-only).
 
     python benchmarks/noise_engine.py                  # d = 1e6 and 1e7, 1 and 200 tensors, B = 4, 8
-    python benchmarks/noise_engine.py --quick          # d = 1e6 only, fewer repeats
+    python benchmarks/noise_engine.py --sizes 1000000  # d = 1e6 only
+    python benchmarks/noise_engine.py --quick          # d = 1e5, 1 and 20 tensors, B = 4, 3 repeats, no peers (seconds)
     python benchmarks/noise_engine.py --device cuda    # on a GPU
+
+The peers' interpreters: $OPAKE_PEER_OPAKE and $OPAKE_PEER_JAXP (virtual environments), else
+/work/peer-opake and /work/peer-jaxp; a peer that is not there is reported as not installed.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
+
+
+def _peer_python(variable: str, default: str) -> Path:
+    return Path(os.environ.get(variable) or default) / "bin" / "python"
+
+
 PEERS = {
-    "opake-pypi": (Path("/work/peer-opake/bin/python"), ROOT / "peers" / "opake_pypi_noise.py"),
-    "jax-privacy": (Path("/work/peer-jaxp/bin/python"), ROOT / "peers" / "jaxp_noise.py"),
+    "opake-pypi": (_peer_python("OPAKE_PEER_OPAKE", "/work/peer-opake"), ROOT / "peers" / "opake_pypi_noise.py"),
+    "jax-privacy": (_peer_python("OPAKE_PEER_JAXP", "/work/peer-jaxp"), ROOT / "peers" / "jaxp_noise.py"),
 }
 
 
@@ -178,8 +189,11 @@ def run_peer(name, args, elements, tensors, buffers):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="d = 1e6 only, 5 repeats")
-    parser.add_argument("--repeats", type=int, default=None, help="timed steps per configuration (default 9, --quick 5)")
+    parser.add_argument("--quick", action="store_true",
+                        help="d = 1e5 as 1 and 20 tensors, B = 4, 3 repeats, no peers: a smoke test (seconds)")
+    parser.add_argument("--sizes", type=int, nargs="+", default=None, help="d values (default 1e6 1e7)")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="timed steps per configuration (default 9, --quick 3)")
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads (0: library default)")
     parser.add_argument("--peers", choices=("none", "single", "all"), default="single",
                         help="run the peers for single-tensor configurations (default), all, or none; "
@@ -187,14 +201,15 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda; peers run on CPU only")
     parser.add_argument("--worker", nargs=3, type=int, metavar=("D", "TENSORS", "B"), help=argparse.SUPPRESS)
     args = parser.parse_args()
-    args.repeats = args.repeats or (5 if args.quick else 9)
+    args.repeats = args.repeats or (3 if args.quick else 9)
     args.peer_repeats = 3
     if args.worker:
         print(json.dumps(worker(*args.worker, repeats=args.repeats, threads=args.threads, device=args.device)))
         return
 
-    sizes = [10**6] if args.quick else [10**6, 10**7]
-    peers = [] if args.peers == "none" or args.device != "cpu" else list(PEERS)
+    sizes = args.sizes or ([10**5] if args.quick else [10**6, 10**7])
+    tensor_counts, buffer_counts = ((1, 20), (4,)) if args.quick else ((1, 200), (4, 8))
+    peers = [] if args.peers == "none" or args.quick or args.device != "cpu" else list(PEERS)
     header = f"{'d':>9} {'tensors':>7} {'B':>2} | {'floor ms':>9} {'opake ms':>9} {'ratio':>6} {'extra mem':>9}"
     for name in peers:
         header += f" | {name + ' ms':>16} {'ours/peer':>9}"
@@ -205,8 +220,8 @@ def main() -> None:
     print("-" * len(header))
     notes = set()
     for elements in sizes:
-        for tensors in (1, 200):
-            for buffers in (4, 8):
+        for tensors in tensor_counts:
+            for buffers in buffer_counts:
                 result = run_worker(args, elements, tensors, buffers)
                 ratio = result["engine"] / result["floor"]
                 line = (f"{elements:>9.0e} {tensors:>7} {buffers:>2} | {1e3 * result['floor']:>9.1f} "

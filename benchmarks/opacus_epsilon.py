@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import subprocess
 import sys
 import time
@@ -40,7 +41,8 @@ from torch import nn
 from opake.torch import PrivacyEngine
 
 ROOT = Path(__file__).resolve().parent
-PEER = ROOT.parent.parent / "peer-opacus" / "bin" / "python"
+PEER = Path(os.environ.get("OPAKE_PEER_OPACUS") or ROOT.parent.parent / "peer-opacus")  # its environment
+PEER = PEER / "bin" / "python" if PEER.is_dir() else PEER  # (or its interpreter)
 DELTA = 1e-5
 # (name, N, B, E, sigma, the example's SGD momentum): Opacus' examples' defaults
 SETTINGS = [("MNIST", 60000, 64, 10, 1.0, 0.0), ("CIFAR-10", 50000, 2000, 90, 1.5, 0.9),

@@ -17,6 +17,14 @@ live allocations during one step at batch 256 (target <= 1.5x non-private).
 Models: the 2-conv CNN of issue 13 (28x28 inputs, 10 classes) and a small transformer (2
 layers, d_model 128, 4 heads built from Linear layers, sequence 64, vocabulary 1000).
 
+Batches: a private step releases only the plan's batches (``UnplannedBatchError`` otherwise), so
+every step takes the next batch of ``run.run_data_loader()`` (balls in bins: sizes vary around
+the batch size), and the non-private step of the same pair takes that same batch. Times are per
+example times the nominal batch size (best of ``--repeats``), so both sides are measured on the
+same examples and batch-size noise cancels; the memory peaks are of one step each on a planned
+batch (``--quick``: batch 8 and 16, a 1-layer transformer of width 32 and sequence 16, 2 repeats,
+no peer).
+
     python benchmarks/training_step.py             # both models, batch 64 (time) and 256 (memory)
     python benchmarks/training_step.py --quick
 """
@@ -25,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import subprocess
 import sys
 import time
@@ -37,8 +46,20 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from noise_engine import _peak_allocated_bytes  # noqa: E402
 
+from opake.dpftrl.noise import blt_strategy  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent
-OPACUS = (ROOT.parent.parent / "peer-opacus" / "bin" / "python", ROOT / "peers" / "opacus_step.py")
+
+
+def _interpreter(variable: str, default: Path) -> Path:
+    """The peer's python: ``$variable`` (its virtual environment, or its interpreter) or ``default``."""
+    path = Path(os.environ.get(variable) or default)
+    return path / "bin" / "python" if path.is_dir() else path
+
+
+OPACUS = (_interpreter("OPAKE_PEER_OPACUS", ROOT.parent.parent / "peer-opacus"), ROOT / "peers" / "opacus_step.py")
+SIZES = {False: dict(batches=(64, 256), width=128, layers=2, length=64, repeats=7),
+         True: dict(batches=(8, 16), width=32, layers=1, length=16, repeats=2)}
 
 
 class CNN(nn.Module):
@@ -87,12 +108,12 @@ class Transformer(nn.Module):
         return self.head(self.norm(self.blocks(x)))
 
 
-def _data(name: str, count: int):
+def _data(name: str, count: int, size: dict):
     generator = torch.Generator().manual_seed(0)
     if name == "cnn":
         return torch.utils.data.TensorDataset(torch.randn(count, 1, 28, 28, generator=generator),
                                               torch.randint(0, 10, (count,), generator=generator))
-    tokens = torch.randint(0, 1000, (count, 65), generator=generator)
+    tokens = torch.randint(0, 1000, (count, size["length"] + 1), generator=generator)
     return torch.utils.data.TensorDataset(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())  # Opacus needs contiguous ids
 
 
@@ -101,52 +122,64 @@ def _loss(name, model, x, y):
     return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
 
 
-def _model(name):
+def _model(name, size: dict):
     torch.manual_seed(0)
-    return CNN() if name == "cnn" else Transformer()
+    if name == "cnn":
+        return CNN()
+    return Transformer(width=size["width"], layers=size["layers"], length=size["length"])
 
 
-def _steps(name: str, batch: int, private: bool, steps: int):
-    """A closure running one training step on a fresh batch of ``batch`` examples each call."""
-    from opake.random import key
-    from opake.torch import make_private
+class _PlannedPair:
+    """The private run and a non-private copy of the same model; ``private_step`` takes the plan's
+    next batch, ``plain_step`` the batch the private step took last (the same examples)."""
 
-    model = _model(name)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    dataset = _data(name, batch * 4)
-    if private:
-        run = make_private(module=model, optimizer=optimizer, dataset=dataset, batch_size=batch,
-                           epochs=max(1, math.ceil(steps / 4)) + 1, noise_multiplier=1.0, target_delta=1e-5,
-                           max_grad_norm=1.0, key=key(0))
-        model, optimizer = run.module, run.optimizer
-    x_all, y_all = dataset.tensors
+    def __init__(self, name: str, batch: int, steps: int, size: dict):
+        from opake.random import key
+        from opake.torch import make_private
 
-    def step(index=[0]):
-        start = (index[0] % 4) * batch
-        index[0] += 1
-        optimizer.zero_grad()
-        _loss(name, model, x_all[start:start + batch], y_all[start:start + batch]).backward()
-        optimizer.step()
+        self.name, self.nominal = name, batch
+        plain_model, model = _model(name, size), _model(name, size)
+        self.plain_model, self.plain_optimizer = plain_model, torch.optim.SGD(plain_model.parameters(), lr=0.01)
+        dataset = _data(name, batch * 4, size)
+        private = make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.01), dataset=dataset,
+                               batch_size=batch, epochs=max(1, math.ceil(steps / 4)) + 1, noise_multiplier=1.0,
+                               target_delta=1e-5, max_grad_norm=1.0, strategy=blt_strategy(), key=key(0))
+        self.model, self.optimizer = private.module, private.optimizer
+        self.batches = iter(private.run_data_loader())
+        self.batch = None
 
-    return step
+    def private_step(self) -> int:
+        self.batch = next(self.batches)
+        x, y = self.batch
+        self.optimizer.zero_grad()
+        if len(y):  # a planned batch can be empty: its step releases noise only
+            _loss(self.name, self.model, x, y).backward()
+        self.optimizer.step()
+        return len(y)
+
+    def plain_step(self) -> int:
+        x, y = self.batch
+        self.plain_optimizer.zero_grad()
+        if len(y):
+            _loss(self.name, self.plain_model, x, y).backward()
+        self.plain_optimizer.step()
+        return len(y)
 
 
-def _best(step, repeats: int) -> float:
-    return _best_alternating([step], repeats)[0]
-
-
-def _best_alternating(steps, repeats: int) -> list[float]:
-    """Best time of each step, the steps alternating so that a burst of load elsewhere on the
-    machine slows both sides of a ratio rather than one."""
-    for step in steps:
-        step()  # warm-up
-    best = [math.inf] * len(steps)
+def _best_alternating(pair: _PlannedPair, repeats: int) -> tuple[float, float]:
+    """Best time per example times the nominal batch size of each side, the private step taking a
+    planned batch and the plain step the same batch right after, so that a burst of load elsewhere
+    on the machine slows both sides of a ratio rather than one."""
+    pair.private_step()  # warm-up (the private run's first step also checks the hooks' coverage)
+    pair.plain_step()
+    best = [math.inf, math.inf]
     for _ in range(repeats):
-        for index, step in enumerate(steps):
+        for index, step in enumerate((pair.private_step, pair.plain_step)):
             start = time.perf_counter()
-            step()
-            best[index] = min(best[index], time.perf_counter() - start)
-    return best
+            examples = step()
+            if examples:
+                best[index] = min(best[index], (time.perf_counter() - start) / examples * pair.nominal)
+    return best[1], best[0]
 
 
 def _opacus(name: str, batch: int, repeats: int):
@@ -163,20 +196,23 @@ def _opacus(name: str, batch: int, repeats: int):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, 2 repeats, no peer (seconds)")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    repeats = 3 if args.quick else 7
-    print(f"threads {args.threads}; best of {repeats}; peak = torch's live allocations during one step")
+    size = SIZES[args.quick]
+    repeats = size["repeats"]
+    print(f"threads {args.threads}; best of {repeats} (time per example x batch, on the plan's batches); "
+          f"peak = torch's live allocations during one step")
     print(f"{'model':<12} {'batch':>5} | {'plain ms':>8} {'opake ms':>8} {'ratio':>6} | "
           f"{'plain MiB':>9} {'opake MiB':>9} {'ratio':>6} | {'opacus ms':>9} {'ratio':>6} {'MiB':>7}")
     for name in ("cnn", "transformer"):
-        for batch in (64, 256):
-            plain, private = _steps(name, batch, False, repeats + 2), _steps(name, batch, True, repeats + 2)
-            plain_s, private_s = _best_alternating([plain, private], repeats)
-            plain_peak, private_peak = _peak_allocated_bytes(plain), _peak_allocated_bytes(private)
-            peer = _opacus(name, batch, repeats)
+        for batch in size["batches"]:
+            pair = _PlannedPair(name, batch, repeats + 4, size)
+            plain_s, private_s = _best_alternating(pair, repeats)
+            private_peak = _peak_allocated_bytes(pair.private_step)
+            plain_peak = _peak_allocated_bytes(pair.plain_step)  # the same batch
+            peer = None if args.quick else _opacus(name, batch, repeats)
             peer_text = (f"{peer[0] * 1e3:>9.1f} {plain_s / peer[0]:>6.2f} {peer[1] / 2**20:>7.1f}"
                          if peer else f"{'-':>9} {'-':>6} {'-':>7}")
             print(f"{name:<12} {batch:>5} | {plain_s * 1e3:>8.1f} {private_s * 1e3:>8.1f} "

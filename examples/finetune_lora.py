@@ -104,8 +104,9 @@ with tempfile.TemporaryDirectory() as output_dir:
                         key=key(0))  # key: reproducible here; omit it for a run you publish
     plan = trainer.private.plan
     print(f"plan: {plan.participation.n_steps} steps of ~{plan.expected_batch_size:.0f} examples "
-          f"({plan.epochs} epochs, {plan.num_bins} bins), BLT noise multiplier {plan.noise_multiplier:.3f}, "
-          f"epsilon {trainer.private.epsilon:.2f} at delta {plan.delta:g}")
+          f"({plan.epochs} epochs), {plan.choice.chosen.name} ({plan.sampling}, {plan.accounting}), noise "
+          f"multiplier {plan.noise_multiplier:.3f}, epsilon {trainer.private.epsilon:.2f} at delta {plan.delta:g}")
+    print(f"why: {plan.choice.reason}")
     print(f"trainable parameters: {sum(p.numel() for p in model.parameters() if p.requires_grad)} LoRA "
           f"of {sum(p.numel() for p in model.parameters())}")
     before = trainer.evaluate()["eval_loss"]

@@ -21,7 +21,8 @@ def test_finetune_lora_runs_and_reports_epsilon_and_validation_loss():
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     out = done.stdout
-    planned = re.search(r"BLT noise multiplier ([\d.]+), epsilon ([\d.]+) at delta 1e-05", out)
+    planned = re.search(r"noise multiplier ([\d.]+), epsilon ([\d.]+) at delta 1e-05", out)
+    assert re.search(r"^why: .* has the least noise at epsilon 8", out, re.M), out  # the choice says why
     logged = re.search(r"epsilon in the logs: ([\d.]+)", out)
     losses = re.search(r"validation loss before ([\d.]+), after ([\d.]+)", out)
     assert planned and logged and losses, out

@@ -127,14 +127,23 @@ def test_make_private_with_progress_off_prints_nothing_and_warns_nothing(capfd, 
 
 
 def test_make_private_reports_its_calibration_when_asked():
+    from opake.dpftrl.noise import blt_strategy
+
     stream = io.StringIO()
-    private = _tiny_make_private(target_epsilon=2.75, progress=Progress(True, stream=stream, delay=0))
+    private = _tiny_make_private(target_epsilon=2.75, strategy=blt_strategy(),
+                                 progress=Progress(True, stream=stream, delay=0))
     text = stream.getvalue()
     assert f"calibrating the noise multiplier (balls in bins, {private.plan.accounting} bound)" in text
     assert "evaluation 1: sigma " in text
     assert f"opake: noise multiplier {private.noise_multiplier:.6g}: epsilon {private.epsilon:.6g} <= 2.75" in text
     # the same plan without a report: the same noise
-    assert _tiny_make_private(target_epsilon=2.75, progress=False).noise_multiplier == private.noise_multiplier
+    assert _tiny_make_private(target_epsilon=2.75, strategy=blt_strategy(),
+                              progress=False).noise_multiplier == private.noise_multiplier
+    # without a strategy the report names the mechanisms compared and prices the chosen one
+    stream = io.StringIO()
+    chosen = _tiny_make_private(target_epsilon=2.75, progress=Progress(True, stream=stream, delay=0))
+    text = stream.getvalue()
+    assert "BLT on balls in bins" in text and f"gives epsilon {chosen.epsilon:.6g}" in text
 
 
 def test_plan_functions_report_their_stages_and_stay_silent_when_off(capfd):

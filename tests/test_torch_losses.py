@@ -12,6 +12,8 @@ import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
 
+import opake.random  # noqa: E402
+from opake.torch import make_private  # noqa: E402
 from opake.torch.losses import PerExampleLoss, UnsupportedLossError, loss_form, token_mean_per_example  # noqa: E402
 from opake.torch.per_example import PerExampleClipper  # noqa: E402
 
@@ -61,7 +63,7 @@ def test_token_mean_per_example_against_a_loop():
         terms = [F.cross_entropy(logits[row, t], labels[row, t + 1], reduction="sum")
                  for t in range(5) if labels[row, t + 1] != -100]
         expected = torch.stack(terms).mean() if terms else torch.tensor(0.0, dtype=torch.float64)
-        torch.testing.assert_close(got[row], expected.float(), rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(got[row], expected, rtol=1e-12, atol=1e-14)  # float64 logits: float64 losses
 
 
 def test_installed_loss_is_the_mean_of_per_example_token_means_and_ignores_num_items():
@@ -124,3 +126,69 @@ def test_sequence_classification_loss_is_per_example():
     logits = model(input_ids=ids).logits
     per_example = F.cross_entropy(logits, labels, ignore_index=-100, reduction="none")
     torch.testing.assert_close(loss, per_example.mean())
+
+
+def test_a_forward_that_raised_leaves_no_labels_behind():
+    """An empty batch makes GPT-2's forward raise after the labels were taken out of the call; they
+    are taken back on the failure path, so generate() and the next forward work."""
+    model = _gpt2()
+    data = [_batch([5])["input_ids"][0] for _ in range(8)]
+    private = make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), dataset=data,
+                           batch_size=8, epochs=1, max_grad_norm=1.0, noise_multiplier=1.0, target_delta=1e-5,
+                           key=opake.random.key(0))
+    hooks = private._loss_hooks
+    empty = torch.zeros((0, LENGTH), dtype=torch.long)
+    with pytest.raises(RuntimeError):
+        model(input_ids=empty, labels=empty)
+    assert hooks._pending == {}
+    prompt = torch.tensor([[1, 2, 3]])
+    generated = model.generate(prompt, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert generated.shape == (1, 6)
+    for batch in private.data_loader:  # the next training step is the plan's, as if nothing had failed
+        private.optimizer.zero_grad()
+        model(input_ids=batch, labels=batch).loss.backward()
+        private.optimizer.step()
+    assert private.steps_taken == 1
+    # negative control: the stale entry a failed forward used to leave makes the next call fail
+    hooks._pending[id(model)] = empty
+    with pytest.raises(ValueError, match="expected logits"):
+        model.generate(prompt, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    private.detach()
+
+
+@pytest.mark.parametrize("build", ["gpt2", "llama"])
+def test_float64_models_keep_float64_clipped_sums(build):
+    """make_private's per-example loss on a float64 model: clipped sums equal a loop of batch-size-1
+    backward passes to 1e-12 (a loss formed in float32 agrees only to about 1e-8)."""
+    from tests.torch_hf_support import largest_relative_error, loop_reference
+
+    torch.manual_seed(0)
+    if build == "gpt2":
+        model = _gpt2()
+    else:
+        config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32,
+                                          num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                          max_position_embeddings=LENGTH)
+        model = transformers.LlamaForCausalLM(config).double()
+    batch = _batch([12, 5, 8, 3])
+    model_inputs = {name: batch[name] for name in ("input_ids", "attention_mask")}
+
+    def own_loss(rows):  # each example's own token mean, in float64
+        return token_mean_per_example(model(**{k: v[rows] for k, v in model_inputs.items()}).logits,
+                                      batch["labels"][rows]).sum()
+
+    expected, norms = loop_reference(model, own_loss, 4, max_grad_norm=0.5)
+    assert min(norms) > 0.5  # every example clipped: the factors' precision matters too
+    private = make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                           dataset=list(range(4)), batch_size=4, epochs=1, max_grad_norm=0.5, noise_multiplier=1.0,
+                           target_delta=1e-5, key=opake.random.key(0))
+    model(**model_inputs, labels=batch["labels"]).loss.backward()
+    sums = private.optimizer.clipper.clipped_sum()
+    assert all(value.dtype == torch.float64 for value in sums.values())
+    assert largest_relative_error(sums, expected) < 1e-12
+    # negative control: the same loss formed from float32 logits (what the installed loss did)
+    private.optimizer.zero_grad()
+    logits = model(**model_inputs).logits
+    token_mean_per_example(logits.float(), batch["labels"]).mean().backward()
+    assert largest_relative_error(private.optimizer.clipper.clipped_sum(), expected) > 1e-10
+    private.detach()

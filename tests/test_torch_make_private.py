@@ -387,23 +387,31 @@ def test_poisson_sampling_trains_and_its_epsilon_is_the_pld_of_band23_thm4(strat
     assert 2.9 < private.epsilon <= 3.0
 
 
-@pytest.mark.parametrize("strategy", [None, blt_strategy(max_buffers=3)])
-def test_poisson_sampling_with_a_blt_is_refused_before_the_module_is_touched(strategy):
+def test_poisson_sampling_with_a_blt_is_refused_before_the_module_is_touched():
     model = _loss_sum_model()
     state = {name: value.clone() for name, value in model.state_dict().items()}
-    with pytest.raises(dpftrl_acc.UnsupportedAmplificationError,
-                       match=r"sampling='poisson' needs a banded strategy.*band_mf_strategy.*identity_strategy"
-                             r".*sampling='balls_in_bins'"):
-        _make(model=model, sampling="poisson", strategy=strategy)
+    for budget in (dict(), dict(target_epsilon=None, noise_multiplier=2.0)):  # named, or the BLT default
+        with pytest.raises(dpftrl_acc.UnsupportedAmplificationError,
+                           match=r"sampling='poisson' needs a banded strategy.*band_mf_strategy.*identity_strategy"
+                                 r".*sampling='balls_in_bins'"):
+            _make(model=model, sampling="poisson", strategy=None if budget else blt_strategy(max_buffers=3),
+                  **budget)
     assert _hooks(model) == 0
     assert all(torch.equal(value, state[name]) for name, value in model.state_dict().items())
+
+
+def test_poisson_sampling_without_a_strategy_chooses_among_the_banded_mechanisms():
+    private = _make(sampling="poisson")
+    assert private.plan.sampling == "poisson" and private.plan.accounting == "pld"
+    assert private.plan.strategy.bands is not None and private.plan.choice is not None
+    assert private.plan.choice.chosen.sampling == "poisson" and private.epsilon <= 3.0
 
 
 def test_amplification_never_needs_more_noise_than_the_unamplified_bound():
     with pytest.warns(dpftrl_acc.UnprovenAmplificationWarning, match=r"not proven to dominate adaptively"):
         amplified = _make(batch_size=4, epochs=1, amplification=True)   # 5 bins, one epoch: amplification helps
     unamplified = _make(batch_size=4, epochs=1, amplification=False)
-    default = _make(batch_size=4, epochs=1)                              # a BLT: the proven, unamplified bound
+    default = _make(batch_size=4, epochs=1, strategy=blt_strategy())     # a BLT: the proven, unamplified bound
     assert (amplified.plan.accounting, unamplified.plan.accounting) == ("amplified", "rigorous")
     assert default.plan.accounting == "rigorous" and default.noise_multiplier == unamplified.noise_multiplier
     assert amplified.noise_multiplier < unamplified.noise_multiplier

@@ -48,8 +48,7 @@ REFUSED = {
     "bf16_full_eval": True,
     "fp16_full_eval": True,
     "torch_compile": True,
-    "activation_checkpointing": True,
-    "gradient_checkpointing": True,
+    "activation_checkpointing_kwargs": {"use_reentrant": False, "context_fn": print},
     "optim": "lomo",
     "deepspeed": "ds_config.json",
     "fsdp_config": {"cpu_offload": True},
@@ -137,6 +136,20 @@ def test_a_field_the_table_does_not_know_is_accepted_only_at_its_default(tmp_pat
     check_arguments(Newer(output_dir=str(tmp_path), report_to="none"))
     with pytest.raises(UnsupportedTrainingArgumentError, match="brand_new_option=3: opake does not know"):
         check_arguments(Newer(output_dir=str(tmp_path), report_to="none", brand_new_option=3))
+
+
+def test_activation_checkpointing_is_accepted_but_not_with_fsdp(tmp_path):
+    args = default_arguments(tmp_path)
+    for kwargs in (None, {"use_reentrant": True}, {"use_reentrant": False, "every_n_layers": 2}):
+        check_arguments(dataclasses.replace(args, activation_checkpointing=True,
+                                            activation_checkpointing_kwargs=kwargs))
+    deprecated = transformers.TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True,
+                                                gradient_checkpointing=True)
+    assert deprecated.activation_checkpointing  # TrainingArguments copies the deprecated name
+    check_arguments(deprecated)
+    sharded = with_value(dataclasses.replace(args, activation_checkpointing=True), "fsdp", ["full_shard"])
+    with pytest.raises(UnsupportedTrainingArgumentError, match="fsdp with activation_checkpointing=True"):
+        check_arguments(sharded)
 
 
 def test_dp_trainer_refuses_before_touching_the_model(tmp_path):

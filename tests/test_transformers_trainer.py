@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 import re
+import warnings
 
 import pytest
 import torch
@@ -296,7 +297,63 @@ def test_bf16_trains_under_autocast(tmp_path):
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
+def llama(seed: int = 0):
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
+                                      pad_token_id=PAD, bos_token_id=PAD, eos_token_id=PAD)
+    return transformers.LlamaForCausalLM(config)
+
+
+@pytest.mark.filterwarnings("ignore:`gradient_checkpointing` is deprecated:FutureWarning")
+@pytest.mark.parametrize("build", [gpt2, llama, lambda: lora(gpt2())], ids=["gpt2", "llama", "gpt2-lora"])
+@pytest.mark.parametrize("reentrant", [None, True], ids=["default", "reentrant"])
+def test_gradient_checkpointing_trains_the_run_without_it(tmp_path, build, reentrant):
+    """Trainer turns checkpointing on in train(); the hooks record each layer call once (the
+    recomputation in backward is recognized), so the run equals the one without checkpointing."""
+    dataset = CharDataset(sentences(32))
+    results = {}
+    for checkpointing in (False, True):
+        model = build()
+        settings = dict(num_train_epochs=1)
+        if checkpointing and reentrant is None:  # the deprecated name, as most scripts still write it
+            settings.update(gradient_checkpointing=True)
+        elif checkpointing:
+            settings.update(activation_checkpointing=True, activation_checkpointing_kwargs={"use_reentrant": reentrant})
+        trainer = dp_trainer(model, arguments(tmp_path, **settings), dataset)
+        layer = next(module for name, module in model.named_modules()
+                     if name.endswith(("h.0.mlp.c_fc", "layers.0.mlp.up_proj")))
+        calls = []
+        layer.register_forward_hook(lambda *args: calls.append(torch.is_grad_enabled()))
+        trainer.train()
+        assert trainer.private.steps_taken == 4
+        results[checkpointing] = (parameters(model), calls)
+    (plain, plain_calls), (checkpointed, checkpointed_calls) = results[False], results[True]
+    assert len(checkpointed_calls) == 2 * len(plain_calls)  # every checkpointed forward ran again in backward
+    assert_same(checkpointed, plain)
+
+
 # -- logs and checkpoints ----------------------------------------------------------------------
+
+
+def test_a_run_stopped_by_a_callback_warns_with_what_was_spent(tmp_path):
+    from opake.torch import ShortRunWarning
+
+    class StopAfterTwoSteps(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_training_stop = state.global_step >= 2
+
+    dataset = CharDataset(sentences(32))  # 4 planned steps
+    stopped = dp_trainer(gpt2(), arguments(tmp_path, num_train_epochs=1), dataset)
+    stopped.add_callback(StopAfterTwoSteps())
+    with pytest.warns(ShortRunWarning, match=r"DPTrainer.train\(\) returned early: .* taken 2 of its 4 planned"):
+        stopped.train()
+    spent = stopped.private.epsilon_spent()
+    assert stopped.state.log_history[-1]["epsilon"] == spent <= stopped.private.plan.epsilon
+    complete = dp_trainer(gpt2(), arguments(tmp_path, num_train_epochs=1), dataset)
+    with warnings.catch_warnings():  # negative control: the whole plan, logs read every step, no warning
+        warnings.simplefilter("error", ShortRunWarning)
+        complete.train()
 
 
 def test_logs_carry_epsilon_and_noise_multiplier_and_no_gradient_norm(tmp_path):

@@ -42,7 +42,11 @@ per-example transform, nothing is written to ``.grad`` and the model is never mo
 Clipping arithmetic, small enough to check by hand (3-4-5 triangles): a gradient ``(3, 4)``
 has norm 5; with ``clipping_norm=5`` or more it is kept as is, with ``clipping_norm=1`` it
 becomes ``(0.6, 0.8)``. The scale factor is ``min(1, clipping_norm / norm)``: exactly 1 at or
-below the bound (a zero gradient is never divided by). Each leaf's norm is reduced
+below the bound (a zero gradient is never divided by). Automatic clipping (AUTO-S, Bu et al.
+2023; ``clipping="automatic"`` or ``clipping_norm=AutomaticClipping(C)``) scales every gradient
+by ``C / (norm + 0.01)`` instead: ``(3, 4)`` with ``C = 1`` becomes ``(3, 4) / 5.01``, of norm
+0.998 < 1, and the bound C, the noise and the accounting stay those of flat clipping at C
+(``AutomaticClipping`` says why and what it means for the learning rate). Each leaf's norm is reduced
 in that leaf's dtype (float32 for half-precision leaves); the norms are combined and the scale
 computed in float64 (float32 on devices without float64). The clipped sum of a float32 or
 float64 leaf is formed in that dtype; the sum of a bfloat16 or float16 leaf is formed and
@@ -77,20 +81,22 @@ import dataclasses
 import math
 import numbers
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, ClassVar, Sequence
 
 import optree
 import torch
 from torch.func import grad, vmap
 
-from opake._checks import positive_finite
+from opake._checks import positive_finite, real_number
 from opake.errors import OpakeError
 from opake.types import ClippedPytree
 
-__all__ = ["ClipState", "FlatClipping", "LossShapeError", "NonFiniteGradientError", "clip_factors", "clipped_grad",
-           "clipping_rule"]
+__all__ = ["CLIPPING_MODES", "AutomaticClipping", "ClipState", "ClippingRuleError", "FlatClipping", "LossShapeError",
+           "NonFiniteGradientError", "automatic_factors", "clip_factors", "clipped_grad", "clipping_rule"]
 
 NONFINITE_MODES = ("raise", "zero")
+CLIPPING_MODES = ("flat", "automatic")
+AUTOMATIC_STABILITY = 0.01  # Bu et al. 2023's gamma, the value of all their experiments
 _MAX_NAMED_EXAMPLES = 5
 
 
@@ -100,6 +106,10 @@ class NonFiniteGradientError(OpakeError, RuntimeError):
 
 class LossShapeError(OpakeError, ValueError):
     """``loss_fn`` did not return a real scalar tensor for one example."""
+
+
+class ClippingRuleError(OpakeError, ValueError):
+    """A clipping rule was asked for with a bad setting (an unknown mode, a stability <= 0 or NaN)."""
 
 
 @dataclass(frozen=True)
@@ -286,9 +296,12 @@ class FlatClipping:
     (and which units were scaled down), and ``sensitivity``, the bound on the L2 norm of one
     unit's scaled gradient that the factors guarantee, which the noise is scaled to and every
     accountant prices (``ClippedPytree.l2_bound``). Here that bound is ``max_grad_norm``.
+    ``mode`` names the rule (``CLIPPING_MODES``); ``description`` says it in one line (what a
+    checkpoint records).
     """
 
     max_grad_norm: float
+    mode: ClassVar[str] = "flat"
 
     def __post_init__(self):
         object.__setattr__(self, "max_grad_norm", positive_finite("max_grad_norm", self.max_grad_norm))
@@ -297,14 +310,95 @@ class FlatClipping:
     def sensitivity(self) -> float:
         return self.max_grad_norm
 
+    @property
+    def description(self) -> str:
+        return "flat"
+
     def factors(self, norms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return clip_factors(norms, self.max_grad_norm)
 
 
-def clipping_rule(rule, name: str = "max_grad_norm"):
-    """A clipping rule from a bound (a number: ``FlatClipping``) or a rule value (returned as is)."""
+@dataclass(frozen=True)
+class AutomaticClipping:
+    """Automatic clipping (AUTO-S): each unit's gradient g scaled by
+    ``max_grad_norm / (||g|| + stability)``, the norm taken over all parameters together.
+
+    Bu, Wang, Zha and Karypis, "Automatic Clipping: Differentially Private Deep Learning Made
+    Easier and Stronger" (NeurIPS 2023, arXiv 2206.07136), section 4, AUTO-S (the "stable"
+    normalization): every per-example gradient is normalized, R g / (||g|| + gamma), with gamma =
+    0.01 in their experiments, and the sum is noised for sensitivity R. Here R is
+    C = ``max_grad_norm``, so one unit's scaled gradient has norm
+    C ||g|| / (||g|| + gamma) < C whatever g is (0 for a zero gradient, tending to C as ||g||
+    grows): the sensitivity is C, exactly as for flat clipping, and every accountant and the
+    noise scale apply unchanged (docs/math.md section 8; up to rounding, as for flat clipping: once
+    gamma is below the last bit of ||g||, the factor is C / ||g|| and the scaled norm C to the last
+    bit).
+
+    Learning rate (their section 4, on R's independence): C only rescales the private gradient,
+    noise included, so for SGD (with or without momentum) the pair (learning rate eta, C) trains
+    as (eta C, 1), and for Adam-type optimizers, which are invariant to the gradient's scale, C
+    has no effect up to Adam's own eps. Tune the learning rate only and keep C = 1. The learning
+    rate that suits flat clipping does not carry over: with flat clipping small gradients keep
+    their size, here every example's gradient has norm close to C.
+
+    ``stability`` is gamma (> 0, finite): it keeps the factor finite for a zero gradient and
+    gives gradients much smaller than gamma less weight than the others (AUTO-V, gamma = 0, would
+    divide by zero and weigh a vanishing gradient as much as any other; Bu et al.'s convergence
+    analysis is for the stable form). ``factors`` marks as scaled down the units whose factor is
+    below 1 (||g|| + gamma > C); every other unit is scaled up.
+    """
+
+    max_grad_norm: float
+    stability: float = AUTOMATIC_STABILITY
+    mode: ClassVar[str] = "automatic"
+
+    def __post_init__(self):
+        object.__setattr__(self, "max_grad_norm", positive_finite("max_grad_norm", self.max_grad_norm))
+        stability = real_number("stability", self.stability)
+        if not (math.isfinite(stability) and stability > 0.0):
+            raise ClippingRuleError(
+                f"stability (automatic clipping's gamma) must be finite and > 0, got {self.stability!r}: it keeps "
+                f"max_grad_norm / (||g|| + gamma) finite for a zero gradient. Use the paper's "
+                f"{AUTOMATIC_STABILITY} (AutomaticClipping(max_grad_norm, stability={AUTOMATIC_STABILITY}))"
+            )
+        object.__setattr__(self, "stability", stability)
+
+    @property
+    def sensitivity(self) -> float:
+        return self.max_grad_norm
+
+    @property
+    def description(self) -> str:
+        return f"automatic(stability={self.stability!r})"
+
+    def factors(self, norms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return automatic_factors(norms, self.max_grad_norm, self.stability)
+
+
+def clipping_rule(rule, name: str = "max_grad_norm", mode: str | None = None):
+    """The clipping rule of a bound and a mode, or a rule value (returned as is).
+
+    ``rule`` is the bound C (a number) or a rule value (``FlatClipping``, ``AutomaticClipping``
+    or any value with ``factors`` and ``sensitivity``). ``mode`` (``CLIPPING_MODES``): None keeps
+    the rule value's own mode (flat for a number); ``"flat"`` or ``"automatic"`` builds that rule
+    from a number, and for a rule value must be the value's mode. Refused, with the fix: an
+    unknown mode, and a mode that contradicts the rule value given.
+    """
+    if mode is not None and mode not in CLIPPING_MODES:
+        raise ClippingRuleError(
+            f"clipping must be one of {CLIPPING_MODES} (None: flat for a number), got {mode!r}; "
+            f"'automatic' is AUTO-S (Bu et al. 2023): max_grad_norm / (||g|| + 0.01) per example"
+        )
     if hasattr(rule, "factors") and hasattr(rule, "sensitivity"):
+        own = getattr(rule, "mode", None)
+        if mode is not None and own != mode:
+            raise ClippingRuleError(
+                f"clipping={mode!r} contradicts the clipping rule given as {name}, {rule!r} (mode {own!r}); "
+                f"give the bound as a number with clipping={mode!r}, or the rule value alone"
+            )
         return rule
+    if mode == "automatic":
+        return AutomaticClipping(positive_finite(name, rule))
     return FlatClipping(positive_finite(name, rule))
 
 
@@ -319,6 +413,17 @@ def clip_factors(norms: torch.Tensor, bound: float) -> tuple[torch.Tensor, torch
     return torch.where(clipped, bound / torch.where(clipped, norms, torch.ones_like(norms)), torch.ones_like(norms)), clipped
 
 
+def automatic_factors(norms: torch.Tensor, bound: float, stability: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-example scale factors ``bound / (norm + stability)`` (AUTO-S, ``AutomaticClipping``)
+    and the mask of the examples scaled down (factor below 1), in ``norms``' dtype.
+
+    Every scaled norm ``bound * norm / (norm + stability)`` is below ``bound`` (``stability`` > 0);
+    a zero norm gets the finite factor ``bound / stability`` (its gradient stays zero).
+    """
+    factors = bound / (norms + stability)
+    return factors, factors < 1
+
+
 def clipped_grad(
     loss_fn: Callable,
     clipping_norm: float,
@@ -326,6 +431,7 @@ def clipped_grad(
     normalize_by: float | None = None,
     *,
     nonfinite: str = "raise",
+    clipping: str | None = None,
 ):
     """Build ``grad_fn``: clipped, summed (and normalized) per-example gradients.
 
@@ -334,7 +440,8 @@ def clipped_grad(
         arguments at ``batch_argnums`` arrive as one example without the batch dimension
         (see the module docstring); the others arrive whole.
       clipping_norm: L2 bound C (> 0, finite) on each example's gradient, over all
-        parameters together.
+        parameters together, or a clipping rule value (``FlatClipping(C)``,
+        ``AutomaticClipping(C, stability)``) whose ``sensitivity`` is that bound.
       batch_argnums: positions (in ``loss_fn``'s arguments; params is 0) of the per-example
         arguments, split along dim 0. Default ``(1,)``: one batch argument, which may be a
         tuple or dict of tensors such as ``(inputs, labels)``.
@@ -342,6 +449,10 @@ def clipped_grad(
         for a plain sum.
       nonfinite: ``"raise"`` (default) raises :class:`NonFiniteGradientError` when an example's
         gradient holds NaN or inf; ``"zero"`` drops that example from the sum and counts it.
+      clipping: ``"flat"`` (``min(1, C / norm)``), ``"automatic"`` (AUTO-S, ``C / (norm +
+        0.01)``, ``AutomaticClipping``) or None (default: flat for a number, the rule's own mode
+        for a rule value). ``ClipState.clipped_examples`` counts the examples whose factor was
+        below 1.
 
     Returns:
       ``(grad_fn, clip_state)``. ``grad_fn(params, *args, state=clip_state)`` returns
@@ -354,7 +465,7 @@ def clipped_grad(
         raise TypeError(
             f"loss_fn must be callable as loss_fn(params, *batch), got {type(loss_fn).__name__}"
         )
-    rule = clipping_rule(clipping_norm, "clipping_norm")
+    rule = clipping_rule(clipping_norm, "clipping_norm", clipping)
     clipping_norm = rule.sensitivity
     normalization = 1.0 if normalize_by is None else positive_finite("normalize_by", normalize_by)
     batch_argnums = _check_batch_argnums(batch_argnums)

@@ -273,6 +273,19 @@ class StepBatches(torch.utils.data.Sampler):
         return self.n_steps - self.start_step
 
 
+def steps_per_epoch_of(num_drawn: int, batch_size: int, *, users: bool = False) -> int:
+    """Steps of one epoch: ``num_drawn // batch_size`` (units drawn: examples, or users); refuses 0."""
+    steps = num_drawn // batch_size
+    if steps < 1:
+        drawn = f"{num_drawn} privacy units (users)" if users else f"{num_drawn} examples"
+        raise ValueError(
+            f"the dataset has {drawn}, fewer than batch_size={batch_size}: there is not one batch per epoch; "
+            f"use batch_size <= {num_drawn}" + (" (with privacy_unit, batch_size counts users per batch)"
+                                                if users else "")
+        )
+    return steps
+
+
 def sampled_loader_options(sampler, dataset, loader_options: dict, caller: str, advice: str) -> dict:
     """The DataLoader options for ``sampler``'s batches over ``dataset``: the caller's, refusing the
     ones that would replace the batches whose participation the accountant priced, with a

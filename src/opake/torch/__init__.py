@@ -8,8 +8,9 @@ deal with layers that mix examples (BatchNorm) and recurrent layers (``DPLSTM``,
 ``DPRNN``: nn.LSTM's interface, clipped exactly). ``choose_mechanism`` compares the proven
 mechanisms at a budget (``opake.torch.choice``). ``PrivacyEngine``, ``BatchMemoryManager`` and
 ``ModuleValidator`` take Opacus' calls (``opake.torch.opacus``, docs/from_opacus.md).
-``opake.torch.per_example`` is the per-example clipping engine (hooks, ghost norms) underneath.
-Nothing below this package imports it.
+``DPAdamW`` is AdamW that subtracts each step's noise variance from its second moment
+(DP-AdamBC). ``opake.torch.per_example`` is the per-example clipping engine (hooks, ghost norms)
+underneath. Nothing below this package imports it.
 """
 
 from opake.torch.opacus import BatchMemoryManager, ModuleValidator, PrivacyEngine
@@ -19,8 +20,10 @@ from opake.torch.loader import PlanExhaustedError, PlannedDataLoader, UnplannedB
 from opake.torch.losses import UnsupportedLossError, token_mean_per_example
 from opake.torch.guard import DirectStepError, ForeignOptimizerError
 from opake.torch.optimizer import DPOptimizer
+from opake.torch.adamw import DPAdamW
 from opake.torch.planning import PrivacyPlan, plan_privacy, strategy_for_optimizer
 from opake.torch.private import PrivateTraining, make_private
+from opake.torch.short_run import ShortRunWarning
 from opake.torch.validation import ModelValidationError, fix_model, validate_model
 
 __all__ = [
@@ -29,6 +32,7 @@ __all__ = [
     "DPLSTM",
     "DPRNN",
     "DPOptimizer",
+    "DPAdamW",
     "MechanismChoice",
     "ModuleValidator",
     "choose_mechanism",
@@ -40,6 +44,7 @@ __all__ = [
     "PrivacyEngine",
     "PrivacyPlan",
     "PrivateTraining",
+    "ShortRunWarning",
     "fix_model",
     "make_private",
     "plan_privacy",

@@ -10,7 +10,8 @@ SECURITY.md, "Replaying or redrawing noise").
 
 Format history (version 1 throughout; what older checkpoints lack is read as what they planned):
 a checkpoint from before ``sampling=`` planned balls in bins, unamplified; before privacy units,
-the example; the amplified bound was once recorded as ``"rdp"``.
+the example; before automatic clipping, flat clipping; the amplified bound was once recorded as
+``"rdp"``.
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ import hashlib
 
 from opake.dpftrl.sampling import PrivacyUnits
 
-__all__ = ["FORMAT", "VERSION", "check_checkpoint", "plan_record"]
+__all__ = ["FORMAT", "VERSION", "check_checkpoint", "clipping_record", "plan_record"]
 
 FORMAT = "opake.torch.PrivateTraining"
 VERSION = 1
-_BEFORE_SAMPLING = {"sampling": "balls_in_bins", "accounting": "rigorous", "num_groups": None, "sample_rate": None}
+_BEFORE_SAMPLING = {"sampling": "balls_in_bins", "accounting": "rigorous", "num_groups": None, "sample_rate": None,
+                    "clipping": "flat"}
 _OLD_METHOD_NAMES = {"rdp": "amplified"}
 EXAMPLE = "example"
 
@@ -33,7 +35,12 @@ def plan_record(plan) -> dict:
     return {"n_steps": plan.n_steps, "num_bins": plan.num_bins, "noise_multiplier": plan.noise_multiplier,
             "max_grad_norm": plan.max_grad_norm, "sampling": plan.sampling, "accounting": str(plan.accounting),
             "num_groups": plan.num_groups, "sample_rate": plan.sample_rate,
-            "privacy_unit": units_record(plan.units)}
+            "privacy_unit": units_record(plan.units), "clipping": clipping_record(plan.clipping)}
+
+
+def clipping_record(rule) -> str:
+    """The clipping rule in one string (``description`` of opake's rules; the repr of another)."""
+    return getattr(rule, "description", None) or repr(rule)
 
 
 def units_record(units: PrivacyUnits | None) -> str:
@@ -56,6 +63,6 @@ def check_checkpoint(state_dict, plan, key_hex: str) -> None:
     if state_dict["key"] != key_hex or saved != plan_record(plan):
         raise ValueError(
             "this checkpoint belongs to another plan or key (different sampling, bins, horizon, accounting, "
-            "noise or privacy units); build the run with the same make_private arguments and "
+            "noise, privacy units or clipping rule); build the run with the same make_private arguments and "
             "key=opake.random.RngKey.from_hex(saved['key'])"
         )

@@ -8,7 +8,7 @@ mechanisms whose accounting is proven for adaptively chosen gradients (docs/adap
 * **BLT** on balls-in-bins batches, priced without amplification (``"rigorous"``), the BLT
   being ``strategy_for_optimizer``'s (optimized for what the optimizer does with the noise);
 * **BandMF** with cyclic Poisson sampling (Band23 Thm 4, PLD), its band count from the rule of
-  ``opake.plan.cyclic_poisson_bands`` (2 or more bands);
+  ``opake.dpftrl.accounting.band_choice`` (2 or more bands);
 * **DP-SGD, Poisson**: Poisson sampling at rate batch_size / num_examples, PLD (as Opacus runs it);
 * **DP-SGD, balls in bins**: the random-allocation PLD (``"allocation_pld"``).
 
@@ -25,7 +25,7 @@ accuracy are not counted. The candidates the rule ranks, and the chosen one, are
 ``MechanismChoice.table()`` prints.
 
 Speed (a few seconds at 60,000 examples): the BLT's unamplified bound calibrates in
-milliseconds; the Poisson candidates are calibrated as ``opake.plan`` does (the bands on a
+milliseconds; the Poisson candidates are calibrated as ``opake plan`` does (``band_choice``) (the bands on a
 coarse PLD grid, 1e-2; the winner refined on 1e-3, then on the plan's own grid, 1e-4, from
 there); DP-SGD on balls in bins is first bounded from below in microseconds
 (``allocation.lower_bound``: a test on the bins' sums shows the budget is missed below some
@@ -53,13 +53,13 @@ from opake.dpftrl.accounting import mf_gaussian, poisson
 from opake.dpftrl.accounting.accountant import balls_in_bins_accountant, poisson_accountant
 from opake.dpftrl.accounting.allocation.lower_bound import noise_multiplier_lower_bound
 from opake.dpftrl.accounting.methods import AccountingMethod
+from opake.dpftrl.accounting.band_choice import (CHOICE_DISCRETIZATION, PLD_DISCRETIZATION, BandCandidate,
+                                                 band_candidates, refine_band_candidate)
 from opake.dpftrl.accounting.poisson import banded_column_norm, noise_multiplier_guess
 from opake.dpftrl.noise import blt_strategy, identity_strategy
-from opake.plan import (CHOICE_DISCRETIZATION, PLD_DISCRETIZATION, BandCandidate, band_candidates,
-                        refine_band_candidate)
 from opake.progress import Progress
-from opake.torch.planning import steps_per_epoch_of, strategy_for_optimizer
-from opake.torch.workload import Workload, workload_of
+from opake.dpftrl.sampling import steps_per_epoch_of
+from opake.torch.workload import Workload, strategy_for_optimizer, workload_of
 
 __all__ = ["MAX_STATE_ROWS", "Candidate", "MechanismChoice", "choose_mechanism"]
 

@@ -46,6 +46,13 @@ class UnsupportedLossError(OpakeError, ValueError):
     """A loss whose per-example terms would depend on other examples of the batch."""
 
 
+def _at_least_float32(logits: torch.Tensor) -> torch.Tensor:
+    """Half-precision logits in float32 (their loss in half precision would round the gradients
+    the clipper bounds); float32 and float64 logits as they are, so that a float64 model keeps
+    float64 gradients (clipped sums to 1e-12, not float32's 1e-8)."""
+    return logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
+
+
 def token_mean_per_example(logits: torch.Tensor, labels: torch.Tensor, *, shift: bool = True,
                            ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
     """(B,) cross-entropy of each example averaged over its own valid tokens (0 when it has none).
@@ -60,7 +67,7 @@ def token_mean_per_example(logits: torch.Tensor, labels: torch.Tensor, *, shift:
     if shift:
         logits, labels = logits[:, :-1], labels[:, 1:]
     labels = labels.to(logits.device)
-    token_losses = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
+    token_losses = F.cross_entropy(_at_least_float32(logits).reshape(-1, logits.shape[-1]), labels.reshape(-1),
                                    ignore_index=ignore_index, reduction="none").view(labels.shape)
     valid = (labels != ignore_index).sum(dim=1)
     return token_losses.sum(dim=1) / valid.clamp(min=1)
@@ -75,6 +82,7 @@ def per_example_classification_loss(logits: torch.Tensor, labels: torch.Tensor, 
     example's labels. The problem type is inferred as Hugging Face does when the config has none.
     """
     labels = labels.to(logits.device)
+    logits = _at_least_float32(logits)
     problem = getattr(config, "problem_type", None)
     num_labels = getattr(config, "num_labels", logits.shape[-1])
     if problem is None:
@@ -86,14 +94,14 @@ def per_example_classification_loss(logits: torch.Tensor, labels: torch.Tensor, 
             problem = "multi_label_classification"
     batch = logits.shape[0]
     if problem == "regression":
-        return F.mse_loss(logits.float().reshape(batch, -1), labels.float().reshape(batch, -1),
+        return F.mse_loss(logits.reshape(batch, -1), labels.to(logits.dtype).reshape(batch, -1),
                           reduction="none").mean(dim=1)
     if problem == "single_label_classification":
-        return F.cross_entropy(logits.float().reshape(batch, num_labels), labels.reshape(batch),
+        return F.cross_entropy(logits.reshape(batch, num_labels), labels.reshape(batch),
                                ignore_index=IGNORE_INDEX, reduction="none")
     if problem == "multi_label_classification":
-        return F.binary_cross_entropy_with_logits(logits.float().reshape(batch, -1),
-                                                  labels.float().reshape(batch, -1), reduction="none").mean(dim=1)
+        return F.binary_cross_entropy_with_logits(logits.reshape(batch, -1), labels.to(logits.dtype).reshape(batch, -1),
+                                                  reduction="none").mean(dim=1)
     raise UnsupportedLossError(f"unknown problem_type {problem!r} in the model's config")
 
 
@@ -145,9 +153,13 @@ class PerExampleLoss:
         # Every Hugging Face model gets the hooks: a head takes its labels out of the call and
         # forms the loss per example; a model without a known head refuses labels= (its inner
         # models, such as GPT2LMHeadModel's transformer, are called without labels anyway).
+        # The loss hook runs even when the forward raises (always_call): it is what takes the
+        # call's labels back, and labels left behind would be scored against the next call's
+        # logits (a later generate() or forward without labels would fail on them).
         for model in self.models:
             self._handles.append(model.register_forward_pre_hook(self._take_labels, with_kwargs=True))
-            self._handles.append(model.register_forward_hook(self._per_example_loss, with_kwargs=True))
+            self._handles.append(model.register_forward_hook(self._per_example_loss, with_kwargs=True,
+                                                             always_call=True))
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -164,6 +176,13 @@ class PerExampleLoss:
                 f"privacy guarantee). Call the model without labels and compute a per-example loss "
                 f"vector from its outputs (see opake.torch.losses), then losses.mean().backward()"
             )
+        if kwargs.get("fused_lm_head"):
+            raise UnsupportedLossError(
+                f"{type(model).__name__} was called with TRL's fused_lm_head=True and labels=: that head multiplies "
+                f"the hidden states by lm_head.weight outside the head's layer (no per-example hook sees it) and "
+                f"divides by the batch's token count. Train TRL's trainers through opake.transformers.DPSFTTrainer "
+                f"or DPDPOTrainer, which form the loss per example from the model's ordinary forward"
+            )
         if kwargs.get("return_dict") is False:
             raise UnsupportedLossError(
                 f"{type(model).__name__} was called with labels= and return_dict=False; opake replaces the "
@@ -178,7 +197,7 @@ class PerExampleLoss:
 
     def _per_example_loss(self, model, args, kwargs, output):
         labels = self._pending.pop(id(model), None)
-        if labels is None:
+        if labels is None or output is None:  # no labels, or the forward raised: nothing to score
             return None
         kind = _head_of(model)
         logits = output["logits"]

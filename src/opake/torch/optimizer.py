@@ -20,6 +20,10 @@ Under torch.distributed each rank clips its part of the global batch, and the ru
 on every rank). The run's state (noise state, the batch served last) belongs to the run
 (``opake.torch.run.PrivateRun``); the step asks it to check and release.
 
+A wrapped optimizer with a ``set_noise_variance(variance)`` method (``opake.torch.DPAdamW``) is
+told, before each of its steps, the variance of every coordinate of that step's noise
+(``NoisedPytree.noise_variance``, exact for every mechanism); others are stepped as they are.
+
 The wrapper shares ``param_groups``, ``state`` and ``defaults`` with the wrapped optimizer, so
 learning-rate schedulers built on either object drive the same learning rates, and the
 optimizer's ``state_dict`` is the wrapped one's.
@@ -178,6 +182,9 @@ class DPOptimizer(torch.optim.Optimizer):
         self.reduction.write(self.parameters, noisy.pytree)
         self.last_step_examples = examples
         self.clipper.reset()
+        set_noise_variance = getattr(self.original_optimizer, "set_noise_variance", None)
+        if callable(set_noise_variance):  # a DP-aware optimizer (opake.torch.DPAdamW) corrects for the noise
+            set_noise_variance(noisy.noise_variance)
         with self.guard.stepping():
             return self.original_optimizer.step()
 

@@ -41,19 +41,20 @@ The plan, in order (each piece is one of opake's layers, used as documented ther
    0.3 to 3 s for 1200 examples in 30 bins and 6 to 11 s for 50,000 examples in 195 bins (1 to
    20 epochs); Poisson's PLD 5 to 14 s at those sizes (DP-SGD, BandMF with 4 bands).
 
-A plan also names the clipping bound, the loss form the clipping assumes and the privacy unit:
+A plan also names the clipping rule and its bound (flat, or automatic clipping: AUTO-S, Bu et
+al. 2023, ``opake.dpftrl.clipping.AutomaticClipping``; both bound one unit's clipped gradient by
+``max_grad_norm``, which is all the accountant and the noise read), the loss form the clipping
+assumes and the privacy unit:
 everything the guarantee depends on is in one value.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import warnings
 from dataclasses import dataclass, field
 
 import torch
-from torch import nn
 
 import opake.accounting as acc
 from opake._checks import integer_at_least, positive_finite
@@ -64,12 +65,14 @@ from opake.dpftrl.clipping import clipping_rule
 from opake.dpftrl.accounting.poisson import UnsupportedAmplificationError, noise_multiplier_guess
 from opake.dpftrl.noise import blt_strategy
 from opake.dpftrl.participation import Participation
-from opake.dpftrl.sampling import BallsInBinsSampler, CyclicPoissonSampler, PrivacyUnits, UnitSampler
+from opake.dpftrl.sampling import (BallsInBinsSampler, CyclicPoissonSampler, PrivacyUnits, UnitSampler,
+                                   steps_per_epoch_of)
 from opake.progress import Progress, calibration_reporter
 from opake.random import RngKey
 from opake.torch.privacy_units import description, privacy_units
+from opake.torch.workload import strategy_for_optimizer
 
-__all__ = ["SAMPLINGS", "PrivacyPlan", "plan_privacy", "strategy_for_optimizer"]
+__all__ = ["SAMPLINGS", "PrivacyPlan", "plan_privacy", "strategy_for_optimizer"]  # the last from workload
 
 SAMPLINGS = ("balls_in_bins", "poisson")
 _SIGMA_RANGE = (1e-3, 1e4)
@@ -87,11 +90,14 @@ class PrivacyPlan:
     is what it guarantees every unit over the run; ``strategy`` the noise's recipe;
     ``accountant`` the privacy process priced at ``noise_multiplier`` (its ``method`` is
     ``accounting``; ``description`` says it in words); ``epsilon`` at ``delta`` for add/remove
-    adjacency of one ``privacy_unit``; ``clipping`` the clipping rule (``FlatClipping``; its
-    ``sensitivity`` is ``max_grad_norm``, the bound the noise is scaled to); ``loss`` the loss
+    adjacency of one ``privacy_unit``; ``clipping`` the clipping rule (``FlatClipping`` or
+    ``AutomaticClipping``; its ``sensitivity`` is ``max_grad_norm``, the bound the noise is
+    scaled to and the accountant prices, whichever the rule); ``loss`` the loss
     form the clipping assumes (``opake.torch.losses``); ``steps_per_epoch`` how many steps an
     epoch (one pass of the planned loader) takes; ``key`` the run's root key (the sampler's and
-    the noise's keys are derived from it).
+    the noise's keys are derived from it); ``choice`` the comparison that chose the mechanism
+    when none was named (``opake.torch.choice.MechanismChoice``: ``choice.table()``,
+    ``choice.reason``), else None.
     """
 
     sampler: object
@@ -106,6 +112,7 @@ class PrivacyPlan:
     loss: str = ""
     privacy_unit: str = "example"
     key: RngKey | None = field(default=None, repr=False, compare=False)
+    choice: object = field(default=None, repr=False, compare=False)
 
     @property
     def max_grad_norm(self) -> float:
@@ -172,21 +179,32 @@ def plan_privacy(
     target_delta: float | None = None,
     noise_multiplier: float | None = None,
     strategy=None,
-    sampling: str = "balls_in_bins",
+    sampling: str | None = None,
     amplification: bool | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     lr_scheduler=None,
     privacy_unit=None,
     loss: str = "",
     progress: bool | None = None,
+    clipping: str | None = None,
 ) -> PrivacyPlan:
     """The plan of a private run over ``num_examples`` examples (module docstring); touches nothing.
 
-    ``strategy=None`` is the BLT for ``optimizer``'s workload (``strategy_for_optimizer``, with
+    ``strategy=None`` with ``target_epsilon`` (and no ``amplification``): the mechanism with the
+    least noise at that budget among those proven for adaptively chosen gradients, for what
+    ``optimizer`` does with the noise (``opake.torch.choice``; restricted to ``sampling`` when
+    given): a BLT on balls in bins, BandMF with cyclic Poisson sampling, DP-SGD with Poisson
+    sampling or DP-SGD on balls in bins. ``plan.choice`` holds the comparison and the reason.
+    Otherwise (``noise_multiplier`` given, or ``amplification`` set) ``strategy=None`` is the BLT
+    for ``optimizer``'s workload on balls in bins (``strategy_for_optimizer``, with
     ``lr_scheduler``: a scheduler built on ``optimizer``, or a function ``(optimizer, n_steps) ->
     scheduler`` for trainers that build it from the run's length). ``privacy_unit`` (one id per
     example, or a ``PrivacyUnits``) makes the unit a user. ``max_grad_norm`` is the clipping
-    bound C, or a clipping rule value (``opake.dpftrl.clipping.FlatClipping``). Every argument check happens here,
+    bound C, or a clipping rule value (``opake.dpftrl.clipping.FlatClipping``,
+    ``AutomaticClipping``); ``clipping`` (None, ``"flat"``, ``"automatic"``) picks the rule for a
+    bound (``clipping_rule``): automatic clipping (AUTO-S) scales each unit's gradient by
+    C / (||g|| + 0.01), with the same bound C, so the accountant and the noise do not change.
+    Every argument check happens here,
     before anything is built: a dataset too small for the batch size, an epsilon that cannot be
     met, Poisson sampling with a strategy it does not cover, amplification for a strategy with
     negative entries.
@@ -194,7 +212,7 @@ def plan_privacy(
     batch_size = integer_at_least("batch_size", batch_size)
     epochs = integer_at_least("epochs", epochs)
     _check_sampling(sampling, amplification)
-    clipping = clipping_rule(max_grad_norm)
+    clipping = clipping_rule(max_grad_norm, mode=clipping)
     if target_delta is None:
         raise TypeError("make_private needs target_delta (e.g. 1e-5, below 1 / len(dataset))")
     if (target_epsilon is None) == (noise_multiplier is None):
@@ -205,8 +223,25 @@ def plan_privacy(
     num_drawn = num_examples if units is None else units.num_units
     steps_per_epoch = steps_per_epoch_of(num_drawn, batch_size, users=units is not None)
     n_steps = epochs * steps_per_epoch
-    if strategy is None:
+    choice = None
+    if strategy is None and target_epsilon is not None and amplification is None:
+        from opake.torch.choice import choose_mechanism  # the choice calibrates with planning's pieces
+
+        try:
+            choice = choose_mechanism(num_examples=num_drawn, batch_size=batch_size, epochs=epochs,
+                                      target_epsilon=target_epsilon, target_delta=target_delta, optimizer=optimizer,
+                                      lr_scheduler=lr_scheduler, sampling=sampling, progress=progress)
+        except acc.CalibrationRangeError as error:
+            raise ValueError(
+                f"target_epsilon={target_epsilon} at delta={target_delta} cannot be met by any mechanism for this "
+                f"run ({epochs} epoch(s) of {steps_per_epoch} steps) with a noise multiplier in "
+                f"({_SIGMA_RANGE[0]:g}, {_SIGMA_RANGE[1]:g}): {error}. Raise the budget, or train fewer epochs"
+            ) from None
+        strategy, sampling = choice.strategy, choice.sampling
+        target_epsilon, noise_multiplier = None, choice.noise_multiplier  # calibrated on this plan's accountant
+    elif strategy is None:
         strategy = blt_strategy() if optimizer is None else strategy_for_optimizer(optimizer, n_steps, lr_scheduler)
+    sampling = "balls_in_bins" if sampling is None else sampling
     sampler = _sampler(sampling, strategy, num_drawn, batch_size, key.fold_in("opake.torch.sampler"), units)
     participation = sampler.participation(n_steps)
     if amplification:
@@ -218,24 +253,11 @@ def plan_privacy(
         sigma, epsilon, process = _plan_noise(accountant, participation, target_epsilon, target_delta,
                                               noise_multiplier, progress)
     return PrivacyPlan(sampler, participation, strategy, process, sigma, epsilon, float(target_delta), clipping,
-                       steps_per_epoch, loss=loss, privacy_unit=description(units), key=key)
-
-
-def steps_per_epoch_of(num_drawn: int, batch_size: int, *, users: bool = False) -> int:
-    """Steps of one epoch: ``num_drawn // batch_size`` (units drawn: examples, or users); refuses 0."""
-    steps = num_drawn // batch_size
-    if steps < 1:
-        drawn = f"{num_drawn} privacy units (users)" if users else f"{num_drawn} examples"
-        raise ValueError(
-            f"the dataset has {drawn}, fewer than batch_size={batch_size}: there is not one batch per epoch; "
-            f"use batch_size <= {num_drawn}" + (" (with privacy_unit, batch_size counts users per batch)"
-                                                if users else "")
-        )
-    return steps
+                       steps_per_epoch, loss=loss, privacy_unit=description(units), key=key, choice=choice)
 
 
 def _check_sampling(sampling, amplification) -> None:
-    if sampling not in SAMPLINGS:
+    if sampling is not None and sampling not in SAMPLINGS:
         raise ValueError(f"sampling must be one of {SAMPLINGS}, got {sampling!r}")
     if amplification is not None and not isinstance(amplification, bool):
         raise TypeError(f"amplification must be None (the proven default), True or False, got {amplification!r}")
@@ -403,68 +425,3 @@ def _calibrate_noise(accountant, participation, budget, target_epsilon, target_d
             f"budget, or train fewer epochs"
         ) from None
     return result.param, result.epsilon, result.process
-
-
-# -- the strategy for an optimizer ---------------------------------------------------------------
-
-def strategy_for_optimizer(optimizer: torch.optim.Optimizer, n_steps: int, lr_scheduler=None):
-    """The BLT recipe whose workload is the noise's path through ``optimizer``.
-
-    ``torch.optim.SGD`` moves the parameters along the prefix sums of lr_t times its momentum
-    buffer, so its noise in the parameters is S D_lr M C^{-1} z: ``blt_strategy(workload=
-    "parameters", momentum, dampening, nesterov, lr_schedule)`` optimizes exactly that (docs/blt.md).
-    The schedule is read by stepping deep copies of the optimizer and ``lr_scheduler`` through
-    the ``n_steps`` planned steps (the caller's objects are not touched); ``lr_scheduler`` may
-    also be a function ``(optimizer, n_steps) -> scheduler``, called on the copy. Plain SGD
-    without a schedule is the prefix-sum workload, the default recipe. Optimizers whose update is
-    not linear in the gradient (Adam, AdamW, RMSprop, ...) have no exact workload; they get the
-    default recipe (prefix sums of the noise, docs/blt.md says why). Several parameter groups
-    with different momentum settings also get the default.
-    """
-    if type(optimizer) is not torch.optim.SGD:
-        return blt_strategy()
-    settings = {(g["momentum"], g["dampening"], g["nesterov"]) for g in optimizer.param_groups}
-    if len(settings) != 1:
-        return blt_strategy()
-    momentum, dampening, nesterov = settings.pop()
-    schedule = None if lr_scheduler is None else _learning_rates(optimizer, lr_scheduler, n_steps)
-    if momentum == 0 and schedule is None:
-        return blt_strategy()
-    return blt_strategy(workload="parameters", momentum=float(momentum), dampening=float(dampening),
-                        nesterov=bool(nesterov), lr_schedule=schedule)
-
-
-def _learning_rates(optimizer, lr_scheduler, n_steps: int) -> tuple:
-    """The first group's learning rate at each of the next ``n_steps`` steps, read from copies.
-
-    The optimizer and scheduler are deep-copied together (so the copy's scheduler drives the
-    copy's optimizer) with every parameter replaced by a one-element stand-in: the model's
-    weights are never copied and never change. A scheduler factory is called on the copy.
-    """
-    stand_ins = {id(p): nn.Parameter(torch.zeros(1)) for group in optimizer.param_groups for p in group["params"]}
-    if _is_factory(lr_scheduler):
-        optimizer_copy = copy.deepcopy(optimizer, memo=dict(stand_ins))
-        scheduler_copy = lr_scheduler(optimizer_copy, n_steps)
-    else:
-        optimizer_copy, scheduler_copy = copy.deepcopy((optimizer, lr_scheduler), memo=dict(stand_ins))
-    rates = []
-    try:
-        with warnings.catch_warnings():
-            # Only the copied scheduler steps: the copied optimizer's step may be a wrapper bound
-            # to the caller's optimizer, so it is never called (torch then warns about the order).
-            warnings.simplefilter("ignore", UserWarning)
-            for _ in range(n_steps):
-                rates.append(float(optimizer_copy.param_groups[0]["lr"]))
-                scheduler_copy.step()
-    except TypeError as error:
-        raise ValueError(
-            f"cannot read the learning-rate schedule by stepping a copy of {type(scheduler_copy).__name__} "
-            f"({error}); pass strategy=blt_strategy(workload='parameters', momentum=..., lr_schedule=[...]) "
-            f"with the planned rates yourself"
-        ) from None
-    return tuple(rates)
-
-
-def _is_factory(lr_scheduler) -> bool:
-    """A function building the scheduler (not a scheduler, which has ``step``)."""
-    return callable(lr_scheduler) and not hasattr(lr_scheduler, "step")

@@ -55,7 +55,7 @@ from opake.dpftrl.noise.engine.layout import Layout
 from opake.dpftrl.sampling import sampled_loader_options
 from opake.dpftrl.strategies.prefix import PrefixStrategy
 from opake.random import RngKey
-from opake.torch.checkpoint import FORMAT, VERSION, check_checkpoint, plan_record
+from opake.torch.checkpoint import FORMAT, VERSION, check_checkpoint, clipping_record, plan_record
 from opake.torch.loader import PlannedBatches, PlannedDataLoader
 from opake.torch.losses import PerExampleLoss, loss_form
 from opake.torch.optimizer import DPOptimizer
@@ -64,6 +64,7 @@ from opake.torch.planning import PrivacyPlan, plan_privacy, strategy_for_optimiz
 from opake.torch.ranks import agree, broadcast_module, dataset_digest, rank_and_world as _rank_and_world, shared_key
 from opake.torch.reduction import Replicated, Sharded, SingleProcess
 from opake.torch.run import PrivateRun
+from opake.torch.short_run import warn_if_short
 from opake.torch.validation import require_valid_model, trainable_parameters
 
 __all__ = ["PrivacyPlan", "PrivateTraining", "make_private", "strategy_for_optimizer"]
@@ -106,6 +107,7 @@ class PrivateTraining:
     def detach(self) -> None:
         """Remove the per-example hooks (clipping, loss) from the module and give its parameters back
         to every optimizer (``.grad`` fills again, any optimizer may step); the run cannot step after."""
+        warn_if_short(self, "private.detach()")
         self.optimizer.clipper.remove()
         self.optimizer.release_wrapped_optimizer()
         self._loss_hooks.remove()
@@ -114,7 +116,9 @@ class PrivateTraining:
 
     @property
     def epsilon(self) -> float:
-        """The epsilon of the whole planned run at ``delta`` (add/remove adjacency)."""
+        """The epsilon of the whole planned run at ``delta`` (add/remove adjacency); read after the
+        first step and before the last, it warns (``ShortRunWarning``) with what was spent so far."""
+        warn_if_short(self, "private.epsilon", once=True)
         return self.plan.epsilon
 
     @property
@@ -209,7 +213,7 @@ def make_private(
     target_delta: float | None = None,
     noise_multiplier: float | None = None,
     strategy=None,
-    sampling: str = "balls_in_bins",
+    sampling: str | None = None,
     amplification: bool | None = None,
     lr_scheduler=None,
     key: RngKey | None = None,
@@ -218,14 +222,17 @@ def make_private(
     progress: bool | None = None,
     privacy_unit=None,
     ownership: str | None = None,
+    clipping: str | None = None,
     **loader_options,
 ) -> PrivateTraining:
     """Plan a private run and return the module, optimizer and data loader that carry it out.
 
     Give either ``target_epsilon`` (the noise multiplier is calibrated) or ``noise_multiplier``
-    (``epsilon`` is computed); ``target_delta`` always. ``strategy`` defaults to the BLT
-    optimized for what ``optimizer`` (and ``lr_scheduler``, if given) will do with the noise
-    (``strategy_for_optimizer``); ``loss_reduction`` says whether the loss is the mean (default, as
+    (``epsilon`` is computed); ``target_delta`` always. Without ``strategy``, a ``target_epsilon``
+    run takes the mechanism with the least noise at that budget for what ``optimizer`` (and
+    ``lr_scheduler``) does with the noise, among those proven for adaptively chosen gradients
+    (``private.plan.choice`` says which and why; ``opake.torch.choice``); a ``noise_multiplier``
+    run takes the BLT optimized for that workload (``strategy_for_optimizer``); ``loss_reduction`` says whether the loss is the mean (default, as
     ``F.cross_entropy``) or the sum over the batch. Extra keyword arguments go to the
     DataLoader (``num_workers``, ``pin_memory``, ...).
 
@@ -235,7 +242,14 @@ def make_private(
     user's summed gradient is clipped to ``max_grad_norm``, and epsilon is for adding or removing
     one user with all its examples (docs/torch.md, "User-level privacy").
 
-    ``sampling="balls_in_bins"`` (default) works with every strategy. ``amplification=None``
+    ``max_grad_norm`` is the clipping bound C (or a clipping rule value, e.g.
+    ``opake.dpftrl.clipping.AutomaticClipping(1.0, stability=0.01)``); ``clipping="automatic"``
+    clips each unit's gradient by automatic clipping (AUTO-S, Bu et al. 2023): scaled by
+    C / (||g|| + 0.01) rather than min(1, C / ||g||). The bound C, the noise and epsilon are the
+    same; the learning rate is not (docs/torch.md, "Automatic clipping").
+
+    ``sampling="balls_in_bins"`` (the default with a named strategy) works with every strategy;
+    ``sampling=`` without a strategy restricts the choice. ``amplification=None``
     (default) prices it with the tightest bound proven for adaptively chosen gradients
     (docs/adaptivity.md): the random-allocation PLD for strategies whose bins do not interact
     (the identity: DP-SGD on balls in bins; ``accounting="allocation_pld"``), the unamplified bound
@@ -275,7 +289,7 @@ def make_private(
                             target_delta=target_delta, noise_multiplier=noise_multiplier, strategy=strategy,
                             sampling=sampling, amplification=amplification, optimizer=optimizer,
                             lr_scheduler=lr_scheduler, privacy_unit=privacy_unit,
-                            loss=loss_form(module, loss_reduction), progress=progress)
+                            loss=loss_form(module, loss_reduction), progress=progress, clipping=clipping)
     except Exception as error:
         failure = error
     agree(process_group, world_size, failure, plan=None if plan is None else _plan_digest(plan))
@@ -317,7 +331,8 @@ def attach(plan: PrivacyPlan, *, module: nn.Module, optimizer: torch.optim.Optim
 def _plan_digest(plan: PrivacyPlan) -> str:
     """What every rank's plan must share, as a short digest: horizon, participation, noise, the
     resolved mechanism and the key."""
-    text = repr((plan.participation, plan.noise_multiplier, plan.max_grad_norm, str(plan.accounting),
+    text = repr((plan.participation, plan.noise_multiplier, plan.max_grad_norm, clipping_record(plan.clipping),
+                 str(plan.accounting),
                  plan.accountant.priced_noise.mechanism.fingerprint, plan.key.hex()))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 

@@ -45,6 +45,7 @@ class SingleProcess:
     """One process holds the model and the whole batch."""
 
     rank, world_size = 0, 1
+    process_group = None  # read by make_private when it draws a key (opake.torch.ranks.shared_key)
 
     def autograd_parameters(self, module, parameters: dict) -> dict:
         """The tensors autograd accumulates each parameter's gradient into (name -> tensor)."""

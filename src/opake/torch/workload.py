@@ -29,16 +29,20 @@ Tested against torch.optim.SGD itself stepping on unit impulses (tests/test_torc
 
 from __future__ import annotations
 
+import copy
 import math
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.signal import fftconvolve
+import torch
+from torch import nn
 
+from opake.dpftrl.noise import blt_strategy
 from opake.dpftrl.strategies.blt_workload import ParameterWorkload
 from opake.dpftrl.strategies.toeplitz import per_query_errors
 
-__all__ = ["SCHEDULED_ROWS", "Workload", "workload_of"]
+__all__ = ["SCHEDULED_ROWS", "Workload", "strategy_for_optimizer", "workload_of"]
 
 # Rows evaluated under a learning-rate schedule (each an FFT of its length): enough to place the
 # worst row within 1/512 of the run, a few tenths of a second at 10^4 steps.
@@ -112,6 +116,8 @@ def _momentum_filter(sgd: ParameterWorkload, n: int) -> tuple[np.ndarray, np.nda
 
 
 def _parameter_errors(inverse: np.ndarray, sgd: ParameterWorkload, learning_rates) -> np.ndarray:
+    from scipy.signal import fftconvolve  # imported when a schedule is ranked (scipy.signal is slow to import)
+
     n = inverse.shape[0]
     f, r = _momentum_filter(sgd, n)
     d = fftconvolve(f, inverse)[:n]
@@ -131,3 +137,66 @@ def _parameter_errors(inverse: np.ndarray, sgd: ParameterWorkload, learning_rate
         row[0] += scaled_excess[t]
         errors[index] = float(np.dot(row, row))
     return errors
+
+
+def strategy_for_optimizer(optimizer: torch.optim.Optimizer, n_steps: int, lr_scheduler=None):
+    """The BLT recipe whose workload is the noise's path through ``optimizer``.
+
+    ``torch.optim.SGD`` moves the parameters along the prefix sums of lr_t times its momentum
+    buffer, so its noise in the parameters is S D_lr M C^{-1} z: ``blt_strategy(workload=
+    "parameters", momentum, dampening, nesterov, lr_schedule)`` optimizes exactly that (docs/blt.md).
+    The schedule is read by stepping deep copies of the optimizer and ``lr_scheduler`` through
+    the ``n_steps`` planned steps (the caller's objects are not touched); ``lr_scheduler`` may
+    also be a function ``(optimizer, n_steps) -> scheduler``, called on the copy. Plain SGD
+    without a schedule is the prefix-sum workload, the default recipe. Optimizers whose update is
+    not linear in the gradient (Adam, AdamW, RMSprop, ...) have no exact workload; they get the
+    default recipe (prefix sums of the noise, docs/blt.md says why). Several parameter groups
+    with different momentum settings also get the default.
+    """
+    if type(optimizer) is not torch.optim.SGD:
+        return blt_strategy()
+    settings = {(g["momentum"], g["dampening"], g["nesterov"]) for g in optimizer.param_groups}
+    if len(settings) != 1:
+        return blt_strategy()
+    momentum, dampening, nesterov = settings.pop()
+    schedule = None if lr_scheduler is None else _learning_rates(optimizer, lr_scheduler, n_steps)
+    if momentum == 0 and schedule is None:
+        return blt_strategy()
+    return blt_strategy(workload="parameters", momentum=float(momentum), dampening=float(dampening),
+                        nesterov=bool(nesterov), lr_schedule=schedule)
+
+
+def _learning_rates(optimizer, lr_scheduler, n_steps: int) -> tuple:
+    """The first group's learning rate at each of the next ``n_steps`` steps, read from copies.
+
+    The optimizer and scheduler are deep-copied together (so the copy's scheduler drives the
+    copy's optimizer) with every parameter replaced by a one-element stand-in: the model's
+    weights are never copied and never change. A scheduler factory is called on the copy.
+    """
+    stand_ins = {id(p): nn.Parameter(torch.zeros(1)) for group in optimizer.param_groups for p in group["params"]}
+    if _is_factory(lr_scheduler):
+        optimizer_copy = copy.deepcopy(optimizer, memo=dict(stand_ins))
+        scheduler_copy = lr_scheduler(optimizer_copy, n_steps)
+    else:
+        optimizer_copy, scheduler_copy = copy.deepcopy((optimizer, lr_scheduler), memo=dict(stand_ins))
+    rates = []
+    try:
+        with warnings.catch_warnings():
+            # Only the copied scheduler steps: the copied optimizer's step may be a wrapper bound
+            # to the caller's optimizer, so it is never called (torch then warns about the order).
+            warnings.simplefilter("ignore", UserWarning)
+            for _ in range(n_steps):
+                rates.append(float(optimizer_copy.param_groups[0]["lr"]))
+                scheduler_copy.step()
+    except TypeError as error:
+        raise ValueError(
+            f"cannot read the learning-rate schedule by stepping a copy of {type(scheduler_copy).__name__} "
+            f"({error}); pass strategy=blt_strategy(workload='parameters', momentum=..., lr_schedule=[...]) "
+            f"with the planned rates yourself"
+        ) from None
+    return tuple(rates)
+
+
+def _is_factory(lr_scheduler) -> bool:
+    """A function building the scheduler (not a scheduler, which has ``step``)."""
+    return callable(lr_scheduler) and not hasattr(lr_scheduler, "step")

@@ -6,6 +6,9 @@ epsilon in the logs, the noise state in every checkpoint (docs/transformers.md).
 each ``TrainingArguments`` field is one table (``ARGUMENT_RULES``, ``arguments_table()``); the
 values it cannot honour raise ``UnsupportedTrainingArgumentError`` with their reasons. Needs
 ``pip install opake[transformers]``; ``opake.torch`` never imports this package.
+
+``DPSFTTrainer`` and ``DPDPOTrainer`` are TRL's ``SFTTrainer`` and ``DPOTrainer`` on the same plan
+(``opake.transformers.trl``, docs/transformers.md "TRL"); they import TRL when first asked for.
 """
 
 import transformers as _transformers
@@ -23,14 +26,27 @@ from opake.transformers.arguments import (  # noqa: E402
     arguments_table,
     check_arguments,
 )
-from opake.transformers.trainer import CHECKPOINT_NAME, DPTrainer  # noqa: E402
+from opake.transformers.trainer import CHECKPOINT_NAME, DPTrainer, PrivateTrainerMixin  # noqa: E402
 
 __all__ = [
     "ARGUMENT_RULES",
     "ArgumentRule",
     "CHECKPOINT_NAME",
     "DPTrainer",
+    "PrivateTrainerMixin",
     "UnsupportedTrainingArgumentError",
     "arguments_table",
     "check_arguments",
 ]
+
+_TRL_TRAINERS = ("DPSFTTrainer", "DPDPOTrainer")
+
+
+def __getattr__(name: str):
+    """``DPSFTTrainer`` and ``DPDPOTrainer`` load TRL on first use (``opake.transformers.trl``), so that
+    ``opake.transformers`` works without TRL installed."""
+    if name in _TRL_TRAINERS:
+        from opake.transformers import trl as trl_trainers
+
+        return getattr(trl_trainers, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

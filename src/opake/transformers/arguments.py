@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from opake.errors import OpakeError
 
 __all__ = ["ARGUMENT_RULES", "ArgumentRule", "UnsupportedTrainingArgumentError", "arguments_table",
-           "check_arguments"]
+           "check_arguments", "is_constructor_rule", "is_property_rule"]
 
 TREATMENTS = ("pass", "map", "ignore", "refuse")
 FIELD, PROPERTY, CONSTRUCTOR = "TrainingArguments", "TrainingArguments property", "DPTrainer argument"
@@ -60,6 +60,10 @@ def _map_style(value) -> bool:
     return (value is not None and not isinstance(value, torch.utils.data.IterableDataset)
             and hasattr(value, "__len__") and hasattr(value, "__getitem__"))
 
+
+# The activation_checkpointing_kwargs tested with the per-example hooks (Trainer takes every_n_layers
+# and offload out; torch.utils.checkpoint gets the rest).
+_CHECKPOINTING_KEYS = frozenset({"use_reentrant", "every_n_layers", "offload", "preserve_rng_state"})
 
 # Optimizers whose update does not wait for the noised gradient in optimizer.step(), or that need
 # calls DPOptimizer does not forward.
@@ -119,7 +123,8 @@ ARGUMENT_RULES: tuple[ArgumentRule, ...] = (
           "a private run is planned in whole epochs (the accountant prices every example's participation in "
           "each); set num_train_epochs", lambda v: v <= 0, "<= 0 (the default -1)"),
     _rule("max_grad_norm", "map",
-          "the per-example clipping norm C (make_private(max_grad_norm=)); Trainer's own clipping of the "
+          "the per-example clipping norm C (make_private(max_grad_norm=); with DPTrainer(clipping='automatic') "
+          "the bound of automatic clipping); Trainer's own clipping of the "
           "summed .grad is turned off (it would clip the sum, not each example)", _positive_finite, "> 0"),
     _rule("train_sampling_strategy", "refuse",
           "the plan's sampler draws the batches (balls in bins or cyclic Poisson); a length-grouped or "
@@ -178,13 +183,24 @@ ARGUMENT_RULES: tuple[ArgumentRule, ...] = (
           "refused until it is", lambda v: not v, "False"),
     _rule("torch_compile_backend", "ignore", "used only with torch_compile (setting it turns that on: refused)"),
     _rule("torch_compile_mode", "ignore", "used only with torch_compile (setting it turns that on: refused)"),
-    _rule("activation_checkpointing", "refuse",
-          "recomputes layers' forward passes during backward, which the per-example hooks would see as new "
-          "calls (not supported yet)", lambda v: not v, "None or False"),
-    _rule("activation_checkpointing_kwargs", "ignore", "used only with activation_checkpointing, refused"),
-    _rule("gradient_checkpointing", "refuse", "the old name of activation_checkpointing", lambda v: not v,
-          "None or False"),
-    _rule("gradient_checkpointing_kwargs", "ignore", "used only with gradient_checkpointing, refused"),
+    _rule("activation_checkpointing", "pass",
+          "Trainer turns it on in train() (activation_checkpointing_enable, non-reentrant unless "
+          "activation_checkpointing_kwargs says otherwise); the per-example hooks record each layer call of the "
+          "forward once and recognize its recomputation in backward, so every example is still clipped on its "
+          "own (tested: the trained parameters equal the run without it, bit for bit, GPT-2 and Llama, full and "
+          "LoRA). Not combined with fsdp"),
+    _rule("activation_checkpointing_kwargs", "refuse",
+          "use_reentrant=True is accepted too: reentrant checkpointing recomputes the forward in backward, and "
+          "DPTrainer runs backward right after each micro-batch's forward, so the recomputed calls belong to the "
+          "one forward pass awaiting its gradients (tested bit for bit as above); other keys (context_fn, "
+          "selective checkpointing) change what is recomputed in ways not tested with the per-example hooks",
+          lambda v: not v or set(v) <= _CHECKPOINTING_KEYS,
+          "None or a dict of " + ", ".join(sorted(_CHECKPOINTING_KEYS))),
+    _rule("gradient_checkpointing", "pass",
+          "the deprecated name of activation_checkpointing (TrainingArguments copies one into the other)"),
+    _rule("gradient_checkpointing_kwargs", "ignore",
+          "the deprecated name of activation_checkpointing_kwargs (TrainingArguments copies it there, where it is "
+          "checked)"),
     # -- optimizer and schedule ------------------------------------------------------------------
     _rule("optim", "refuse",
           "any optimizer Trainer builds is wrapped by DPOptimizer, except those that update parameters inside "
@@ -337,10 +353,26 @@ ARGUMENT_RULES: tuple[ArgumentRule, ...] = (
     _rule("processing_class", "pass", "the tokenizer, saved with the model", where=CONSTRUCTOR),
 )
 
-_BY_NAME = {rule.name: rule for rule in ARGUMENT_RULES}
+def _by_name(rules) -> dict:
+    by_name = {rule.name: rule for rule in rules}
+    if len(by_name) != len(rules):  # pragma: no cover - a table edit that repeats a row
+        raise RuntimeError("an argument table names a field twice")
+    return by_name
+
+
+_BY_NAME = _by_name(ARGUMENT_RULES)
 CONSTRUCTOR_ARGUMENTS = tuple(rule.name for rule in ARGUMENT_RULES if rule.where == CONSTRUCTOR)
-if len(_BY_NAME) != len(ARGUMENT_RULES):  # pragma: no cover - a table edit that repeats a row
-    raise RuntimeError("ARGUMENT_RULES names a field twice")
+
+
+def is_property_rule(rule: ArgumentRule) -> bool:
+    """Whether ``rule`` is about a derived property of the arguments (``n_gpu``, ``world_size``)."""
+    return rule.where.startswith(PROPERTY)
+
+
+def is_constructor_rule(rule: ArgumentRule) -> bool:
+    """Whether ``rule`` is about an argument of a trainer's constructor (``"... argument"``), not a
+    field or property of its TrainingArguments (or of a TRL config)."""
+    return rule.where.endswith(" argument")
 
 
 def rule_for(name: str) -> ArgumentRule:
@@ -348,11 +380,12 @@ def rule_for(name: str) -> ArgumentRule:
     return _BY_NAME[name]
 
 
-def _violations(values: dict, where: str) -> list[str]:
+def _violations(values: dict, by_name: dict, wanted) -> list[str]:
+    """The refusals of ``values`` (name -> value) by the rows of ``by_name`` that ``wanted(rule)``."""
     problems = []
     for name, value in values.items():
-        rule = _BY_NAME.get(name)
-        if rule is None or rule.where != where:
+        rule = by_name.get(name)
+        if rule is None or not wanted(rule):
             continue
         try:
             accepted = bool(rule.accepts(value))
@@ -364,24 +397,37 @@ def _violations(values: dict, where: str) -> list[str]:
     return problems
 
 
-def check_arguments(args, constructor: dict | None = None) -> None:
+def _combinations(args) -> list[str]:
+    """Refusals of two fields together, which the one-field rows cannot state."""
+    if args.fsdp and args.activation_checkpointing:
+        return ["TrainingArguments fsdp with activation_checkpointing=True: FSDP2's unsharding around recomputed "
+                "layers has not been tested with the per-example hooks; train sharded without activation "
+                "checkpointing, or checkpoint in one process"]
+    return []
+
+
+def check_arguments(args, constructor: dict | None = None, *, rules=ARGUMENT_RULES) -> None:
     """Raise ``UnsupportedTrainingArgumentError`` naming every value DPTrainer cannot honour.
 
-    ``args`` is a ``TrainingArguments``; ``constructor`` the DPTrainer constructor's arguments by
-    name (those the table has rows for). A field the table does not know (from a transformers
-    newer than this table) is refused unless it has its default value.
+    ``args`` is a ``TrainingArguments`` (or a subclass: a TRL config); ``constructor`` the trainer
+    constructor's arguments by name (those the table has rows for); ``rules`` the table
+    (``ARGUMENT_RULES``, plus a TRL config's rows for a TRL trainer). A field the table does not
+    know (from a transformers or TRL newer than this table) is refused unless it has its default value.
     """
+    by_name = _by_name(rules)
     fields = {field.name: field for field in dataclasses.fields(args)}
     values = {name: getattr(args, name) for name in fields}
-    problems = _violations(values, FIELD)
-    properties = {rule.name: getattr(args, rule.name) for rule in ARGUMENT_RULES if rule.where == PROPERTY}
-    problems += _violations(properties, PROPERTY)
-    problems += _violations(constructor or {}, CONSTRUCTOR)
+    problems = _violations(values, by_name, lambda rule: not is_property_rule(rule) and not is_constructor_rule(rule))
+    properties = {rule.name: getattr(args, rule.name) for rule in rules if is_property_rule(rule)}
+    problems += _violations(properties, by_name, is_property_rule)
+    problems += _violations(constructor or {}, by_name, is_constructor_rule)
+    problems += _combinations(args)
     defaults = _default_arguments(type(args))
+    kind = type(args).__name__
     for name in fields:
-        if name not in _BY_NAME and fields[name].init and getattr(args, name) != getattr(defaults, name, None):
+        if name not in by_name and fields[name].init and getattr(args, name) != getattr(defaults, name, None):
             problems.append(
-                f"TrainingArguments {name}={getattr(args, name)!r}: opake does not know this field (a transformers "
+                f"{kind} {name}={getattr(args, name)!r}: opake does not know this field (a transformers or TRL "
                 f"newer than opake's table), so it accepts only its default {getattr(defaults, name, None)!r}"
             )
     if problems:
@@ -395,16 +441,18 @@ _DEFAULTS: dict = {}
 
 
 def _default_arguments(cls):
-    """A default instance of ``cls`` (post-processed as TrainingArguments does), built once."""
+    """A default instance of ``cls`` (post-processed as TrainingArguments does), built once. bf16 is
+    given (False): TRL's configs default it to True, which TrainingArguments refuses on a machine
+    without bfloat16, and the table's own bf16 row decides it anyway."""
     if cls not in _DEFAULTS:
-        _DEFAULTS[cls] = cls(output_dir="opake_default_arguments")
+        _DEFAULTS[cls] = cls(output_dir="opake_default_arguments", bf16=False)
     return _DEFAULTS[cls]
 
 
-def arguments_table() -> str:
+def arguments_table(rules=ARGUMENT_RULES) -> str:
     """The table as Markdown (docs/transformers.md carries exactly this text)."""
     lines = ["| argument | where | treatment | accepted | reason |", "|---|---|---|---|---|"]
-    for rule in ARGUMENT_RULES:
+    for rule in rules:
         reason = rule.reason.replace("|", "\\|")
         lines.append(f"| `{rule.name}` | {rule.where} | {rule.treatment} | {rule.accepted} | {reason} |")
     return "\n".join(lines) + "\n"

@@ -12,6 +12,11 @@ gradient, so all rows of one user must be in one forward pass (the clipper refus
 across two). ``unit_micro_batches`` cuts at user boundaries instead: users, in the planned
 batch's order, are packed into micro-batches of at most ``per_device_train_batch_size`` rows,
 and a user with more rows than that forms a micro-batch of its own, larger than the setting.
+
+A preference pair (``DPDPOTrainer``) is one example that runs as two rows, its chosen and its
+rejected sequence, laid out by TRL's collator as all chosen rows then all rejected rows.
+``pair_micro_batches`` cuts whole pairs, keeping that layout in each part, and numbers the rows
+by pair so that the clipper clips each pair's two rows together.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from collections.abc import Mapping
 import optree
 import torch
 
-__all__ = ["EmptyBatchCollator", "batch_size_of", "micro_batches", "unit_micro_batches"]
+__all__ = ["EmptyBatchCollator", "batch_size_of", "micro_batches", "pair_micro_batches", "unit_micro_batches"]
 
 
 def batch_size_of(batch) -> int:
@@ -86,6 +91,36 @@ def unit_micro_batches(batch, size: int, largest: int, units) -> list:
         else:
             sizes.append(run)
     return _cut(batch, size, sizes)
+
+
+def pair_micro_batches(batch, pairs: int, largest: int) -> list[tuple[dict, torch.Tensor]]:
+    """A collated batch of ``pairs`` preference pairs (TRL's layout: every per-row tensor holds the
+    chosen rows, then the rejected rows in the same order, on dimension 0; a per-pair tensor, such
+    as precomputed reference log-probabilities, one row per pair) cut into ceil(pairs / largest)
+    balanced parts of whole pairs, each in the same layout. Returns ``(part, pair numbers of its
+    rows)`` for each part: the two rows of a pair carry its number, so that the clipper clips them
+    together (``PerExampleClipper.expect_units``). An empty batch has no parts."""
+    if pairs == 0:
+        return []
+    if not isinstance(batch, Mapping):
+        raise TypeError(f"a preference batch must be a dict of tensors, got a {type(batch).__name__}")
+    bounds = torch.arange(pairs).tensor_split(-(-pairs // largest))
+    parts = []
+    for members in bounds:
+        first, stop = int(members[0]), int(members[-1]) + 1
+        part = {}
+        for name, value in batch.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == 2 * pairs:
+                part[name] = torch.cat([value[first:stop], value[pairs + first:pairs + stop]])
+            elif isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == pairs:
+                part[name] = value[first:stop]
+            else:
+                raise TypeError(
+                    f"cannot cut the preference batch's {name!r} into micro-batches of whole pairs: it is not a "
+                    f"tensor with the batch's {2 * pairs} rows (chosen, then rejected) or {pairs} pairs on "
+                    f"dimension 0")
+        parts.append((part, members.repeat(2)))
+    return parts
 
 
 def _cut(batch, size: int, sizes: list[int]) -> list:

@@ -58,7 +58,9 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 from transformers.utils import is_datasets_available
 
 from opake.torch import make_private
-from opake.transformers.arguments import CONSTRUCTOR_ARGUMENTS, UnsupportedTrainingArgumentError, check_arguments
+from opake.torch.short_run import warn_if_short
+from opake.transformers.arguments import (ARGUMENT_RULES, UnsupportedTrainingArgumentError, check_arguments,
+                                         is_constructor_rule)
 from opake.transformers.batches import (EmptyBatchCollator, batch_size_of, lockstep_micro_batches, micro_batches,
                                         unit_micro_batches)
 
@@ -147,28 +149,44 @@ class PrivateTrainerMixin:
     arguments unchanged, plus the plan's, keyword-only (``DPTrainer`` lists them), and works
     only through Trainer's public seams: ``get_train_dataloader``, ``get_batch_samples``,
     ``training_step``, ``compute_loss``, ``log``, ``train`` and a callback for checkpoints.
+
+    A subclass for another trainer (``opake.transformers.trl``) sets ``argument_rules`` (the table
+    its arguments are checked against) and ``loss_reduction``, and may override
+    ``default_arguments``, ``arguments_of_trainer`` (the config the parent will read),
+    ``check_trainer_setup`` (refusals of what the parent's ``__init__`` set up, before any hook),
+    ``examples_in`` (the plan's examples in a collated batch), ``micro_batch_parts`` and
+    ``loss_to_clip`` (what each micro-batch backpropagates).
     """
 
+    # The rows every argument is checked against (a TRL trainer adds its config's), and how the
+    # loss that training_step backpropagates combines the examples of a micro-batch.
+    argument_rules = ARGUMENT_RULES
+    loss_reduction = "mean"
+
     def __init__(self, *args, target_delta: float, target_epsilon: float | None = None,
-                 noise_multiplier: float | None = None, strategy=None, sampling: str = "balls_in_bins",
-                 amplification: bool | None = None, key=None, privacy_unit=None, **kwargs):
+                 noise_multiplier: float | None = None, strategy=None, sampling: str | None = None,
+                 amplification: bool | None = None, key=None, privacy_unit=None, clipping=None, **kwargs):
         bound = inspect.signature(super().__init__).bind(*args, **kwargs)
         bound.apply_defaults()
         arguments = dict(bound.arguments)
         run_args = arguments.get("args")
         if run_args is None:
-            run_args = transformers.TrainingArguments(output_dir="tmp_trainer")
+            run_args = self.default_arguments()
         if not isinstance(run_args, transformers.TrainingArguments):
             raise TypeError(f"args must be a transformers.TrainingArguments, got {type(run_args).__name__}")
+        run_args = self.arguments_of_trainer(run_args)
         if arguments.get("model") is None:
             raise TypeError(f"{type(self).__name__} needs model= (the model make_private hooks)")
-        check_arguments(run_args, {name: arguments[name] for name in CONSTRUCTOR_ARGUMENTS if name in arguments})
+        given = {**arguments, "privacy_unit": privacy_unit}  # the constructor's, and the plan's that rows name
+        check_arguments(run_args, {rule.name: given[rule.name] for rule in self.argument_rules
+                                   if is_constructor_rule(rule) and rule.name in given}, rules=self.argument_rules)
         self.private_args = run_args
         if run_args.fsdp:  # sharded here, before planning; Trainer then leaves the model as it is
             _fully_shard(arguments["model"], run_args)
         arguments["args"] = dataclasses.replace(run_args, gradient_accumulation_steps=1, max_grad_norm=0.0,
                                                 ignore_data_skip=True, fsdp="", fsdp_config=None)
         super().__init__(**arguments)
+        self.check_trainer_setup()  # what the parent trainer decided in its __init__; nothing is hooked yet
         self.micro_batch_size = int(run_args.per_device_train_batch_size)
         # Trainer's global batch: per device, times accumulation, times the processes (each serves its part)
         batch_size = self.micro_batch_size * int(run_args.gradient_accumulation_steps) * int(run_args.world_size)
@@ -181,11 +199,25 @@ class PrivateTrainerMixin:
             epochs=int(run_args.num_train_epochs), max_grad_norm=run_args.max_grad_norm,
             target_epsilon=target_epsilon, target_delta=target_delta, noise_multiplier=noise_multiplier,
             strategy=strategy, sampling=sampling, amplification=amplification, lr_scheduler=lr_scheduler, key=key,
-            loss_reduction="mean", privacy_unit=privacy_unit, **self._loader_options(collate))
+            loss_reduction=self.loss_reduction, privacy_unit=privacy_unit, clipping=clipping,
+            **self._loader_options(collate))
         self.optimizer = self.private.optimizer
         self._resumed_from = None  # the checkpoint folder train() resumes from, until its loader exists
         self.add_callback(_EpochOfPlan(self.private.plan.steps_per_epoch))
         self.add_callback(_PrivateCheckpoint(self.private))
+
+    def default_arguments(self) -> transformers.TrainingArguments:
+        """The arguments used when ``args=None`` (Trainer's default: ``output_dir="tmp_trainer"``)."""
+        return transformers.TrainingArguments(output_dir="tmp_trainer")
+
+    def arguments_of_trainer(self, args: transformers.TrainingArguments) -> transformers.TrainingArguments:
+        """``args`` as the parent trainer will read them (a TRL trainer converts plain
+        TrainingArguments to its config), so that the table checks what will run."""
+        return args
+
+    def check_trainer_setup(self) -> None:
+        """Refuse what the parent trainer's ``__init__`` set up that breaks the guarantee; called
+        after it, before ``make_private`` hooks the model (nothing has trained or been released)."""
 
     # -- the plan's data ----------------------------------------------------------------------
 
@@ -242,25 +274,38 @@ class PrivateTrainerMixin:
         model.train()
         self.private.optimizer.zero_grad()  # one planned batch per step: nothing else is summed in it
         inputs = self._prepare_inputs(inputs)
-        size = batch_size_of(inputs)
+        size = self.examples_in(inputs)
         total = torch.zeros((), device=self.args.device)
-        run = self.private.run
-        if run.batches.placeholder:  # sharded: every rank runs the same passes (FSDP's collectives)
-            parts = self._lockstep_parts(inputs, size)
-        else:
-            units = None if run.state.served is None else run.batches.units(run.state.served)
-            parts = [(part, False) for part in (micro_batches(inputs, size, self.micro_batch_size) if units is None
-                                                else unit_micro_batches(inputs, size, self.micro_batch_size, units))]
         with _without_gradient_sync(model):
-            for part, placeholder in parts:
+            for part, placeholder in self.micro_batch_parts(inputs, size):
                 if placeholder:
                     self.private.optimizer.clipper.expect_placeholder()
                 with self.compute_loss_context_manager():
                     loss = self.compute_loss(model, part)
-                self.accelerator.backward(loss)
+                self.accelerator.backward(self.loss_to_clip(loss, part))
                 if not placeholder:
-                    total = total + loss.detach().float() * batch_size_of(part)
+                    total = total + loss.detach().float() * self.examples_in(part)
         return total / max(size, 1)
+
+    def examples_in(self, batch) -> int:
+        """The examples of the plan in a collated batch (its rows; a preference trainer's pairs)."""
+        return batch_size_of(batch)
+
+    def micro_batch_parts(self, inputs, size: int) -> list:
+        """``(micro-batch, is_placeholder)`` pairs of one planned batch of ``size`` examples: whole
+        users together with privacy units, lockstep parts on a sharded model."""
+        run = self.private.run
+        if run.batches.placeholder:  # sharded: every rank runs the same passes (FSDP's collectives)
+            return self._lockstep_parts(inputs, size)
+        units = None if run.state.served is None else run.batches.units(run.state.served)
+        parts = (micro_batches(inputs, size, self.micro_batch_size) if units is None
+                 else unit_micro_batches(inputs, size, self.micro_batch_size, units))
+        return [(part, False) for part in parts]
+
+    def loss_to_clip(self, loss: torch.Tensor, part) -> torch.Tensor:
+        """What ``training_step`` backpropagates for a micro-batch whose ``compute_loss`` is
+        ``loss``: the loss itself, the mean over its examples (``loss_reduction="mean"``)."""
+        return loss
 
     def _lockstep_parts(self, inputs, size: int) -> list:
         """The micro-batches of a sharded run: as many on every rank as the largest part needs (each
@@ -282,7 +327,7 @@ class PrivateTrainerMixin:
     def log(self, logs: dict, start_time: float | None = None) -> None:
         """Trainer's log with the guarantee so far (``epsilon``), the planned one, ``delta`` and sigma."""
         logs = {name: value for name, value in logs.items() if name != "grad_norm"}
-        logs.update(epsilon=self.private.epsilon_spent(), epsilon_planned=self.private.epsilon,
+        logs.update(epsilon=self.private.epsilon_spent(), epsilon_planned=self.private.plan.epsilon,
                     delta=self.private.delta, noise_multiplier=self.private.noise_multiplier)
         super().log(logs, start_time)
 
@@ -315,7 +360,10 @@ class PrivateTrainerMixin:
         else:
             self._load_private_checkpoint(str(resume_from_checkpoint), draws, fresh_key)
             self._resumed_from = str(resume_from_checkpoint)
-        return super().train(resume_from_checkpoint=resume_from_checkpoint, ignore_keys_for_eval=ignore_keys_for_eval)
+        result = super().train(resume_from_checkpoint=resume_from_checkpoint, ignore_keys_for_eval=ignore_keys_for_eval)
+        # Trainer runs the whole plan (max_steps is refused); fewer steps mean a callback stopped it.
+        warn_if_short(self.private, f"{type(self).__name__}.train() returned early")
+        return result
 
     def _load_private_checkpoint(self, folder: str, draws, fresh_key) -> None:
         if (draws is None) == (fresh_key is None):
@@ -348,12 +396,16 @@ class DPTrainer(PrivateTrainerMixin, transformers.Trainer):
 
     Takes Trainer's arguments (same order), then the plan's, keyword-only: ``target_delta``
     always, and exactly one of ``target_epsilon`` (the noise is calibrated) and
-    ``noise_multiplier``; ``strategy``, ``sampling``, ``amplification`` as in ``make_private``;
+    ``noise_multiplier``; ``strategy``, ``sampling``, ``amplification`` as in ``make_private``
+    (without a strategy, a ``target_epsilon`` run takes the mechanism with the least noise at that
+    budget for Trainer's optimizer and schedule: ``trainer.private.plan.choice``);
     ``key`` (an ``opake.random.RngKey``) seeds the batches and the noise (without it, a key is
     drawn from the operating system, as SECURITY.md recommends for published runs; resuming
     needs the same key: it is saved in each checkpoint's opake_private.pt). ``privacy_unit``
     (one user id per example of ``train_dataset``) makes the guarantee user-level, as in
-    ``make_private``; the batch size then counts users (module docstring).
+    ``make_private``; the batch size then counts users (module docstring). ``clipping="automatic"``
+    scales each example's gradient by C / (norm + 0.01) instead of clipping it (AUTO-S; the bound
+    C is ``args.max_grad_norm`` either way, so the noise and epsilon are the same).
 
     ``trainer.private`` is the ``PrivateTraining`` (``epsilon``, ``plan``, ``optimizer``,
     ``state_dict()``). Arguments DPTrainer cannot honour raise
@@ -364,15 +416,16 @@ class DPTrainer(PrivateTrainerMixin, transformers.Trainer):
                  processing_class=None, model_init=None, compute_loss_func=None, compute_metrics=None,
                  callbacks=None, optimizers=(None, None), optimizer_cls_and_kwargs=None,
                  preprocess_logits_for_metrics=None, *, target_delta: float, target_epsilon: float | None = None,
-                 noise_multiplier: float | None = None, strategy=None, sampling: str = "balls_in_bins",
-                 amplification: bool | None = None, key=None, privacy_unit=None):
+                 noise_multiplier: float | None = None, strategy=None, sampling: str | None = None,
+                 amplification: bool | None = None, key=None, privacy_unit=None, clipping=None):
         super().__init__(model=model, args=args, data_collator=data_collator, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class, model_init=model_init,
                          compute_loss_func=compute_loss_func, compute_metrics=compute_metrics, callbacks=callbacks,
                          optimizers=optimizers, optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
                          preprocess_logits_for_metrics=preprocess_logits_for_metrics, target_delta=target_delta,
                          target_epsilon=target_epsilon, noise_multiplier=noise_multiplier, strategy=strategy,
-                         sampling=sampling, amplification=amplification, key=key, privacy_unit=privacy_unit)
+                         sampling=sampling, amplification=amplification, key=key, privacy_unit=privacy_unit,
+                         clipping=clipping)
 
 
 class _WorkerSeed:

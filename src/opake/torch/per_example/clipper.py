@@ -189,6 +189,7 @@ class PerExampleClipper:
         self._expected_units: torch.Tensor | None = None  # expect_units: kept across reset()
         self._placeholder_pending = False  # expect_placeholder: kept across reset(), taken by a pass
         self._regroup_units = True
+        self._rows_per_example = 1  # expect_units: rows of the model's input per example of the batch
         self.reset()
         self._handles.append(module.register_forward_pre_hook(self._begin_pass, with_kwargs=True))
         for layer in self._plan.layers:
@@ -208,8 +209,9 @@ class PerExampleClipper:
 
     @property
     def examples(self) -> int:
-        """Examples clipped and summed since the last reset."""
-        return self._examples
+        """Examples clipped and summed since the last reset (rows of the model's input, divided by
+        ``rows_per_example`` of ``expect_units``)."""
+        return self._examples // self._rows_per_example
 
     @property
     def clipped_examples(self) -> int:
@@ -227,7 +229,7 @@ class PerExampleClipper:
         """Forward passes clipped since the last reset."""
         return self._passes
 
-    def expect_units(self, units, *, regroup: bool = True) -> None:
+    def expect_units(self, units, *, regroup: bool = True, rows_per_example: int = 1) -> None:
         """Clip per unit: ``units`` holds the unit number of every row of the coming logical batch.
 
         Forward passes (with gradients) take the next rows' unit numbers in order, one per row of
@@ -237,7 +239,17 @@ class PerExampleClipper:
         (``reset()`` starts again from the first row); ``None`` returns to per-example clipping.
         ``regroup=False`` computes every unit norm from materialized per-example gradients instead
         of regrouped ghost norms (bookkeeping; the results agree up to rounding).
+
+        ``rows_per_example`` is how many rows of the model's input one example of the batch takes:
+        2 for a preference pair, whose chosen and rejected sequences are two rows of one unit
+        (``opake.transformers.DPDPOTrainer``); ``examples`` then counts pairs, as the planned batch
+        does. ``units`` still holds one unit number per row.
         """
+        if isinstance(rows_per_example, bool) or not isinstance(rows_per_example, int) or rows_per_example < 1:
+            raise ValueError(f"rows_per_example must be an integer >= 1, got {rows_per_example!r}")
+        if units is None and rows_per_example != 1:
+            raise ValueError("rows_per_example needs units: the rows of one example must be clipped together, "
+                             "as one unit")
         if units is not None:
             if isinstance(units, torch.Tensor):
                 units = units.detach().to("cpu")
@@ -253,6 +265,7 @@ class PerExampleClipper:
             units = units.to(torch.int64)
         self._expected_units = units
         self._regroup_units = bool(regroup)
+        self._rows_per_example = rows_per_example
         self._units_taken = 0
 
     def expect_placeholder(self, pending: bool = True) -> None:
@@ -278,7 +291,8 @@ class PerExampleClipper:
                 "run the model and loss.backward() first"
             )
         expected = self._expected_units
-        if expected is not None and (self._unit_rows != expected.numel() or self._examples != expected.numel()):
+        if expected is not None and (self._unit_rows != expected.numel() or self._examples != expected.numel()
+                                     or self._examples % self._rows_per_example):
             raise ClipperUsageError(
                 f"expect_units gave the units of {expected.numel()} rows, but the forward passes since the reset "
                 f"took {self._units_taken} of them, {self._unit_rows} were clipped by unit and {self._examples} in "
