@@ -21,7 +21,7 @@ from opake.transformers import (  # noqa: E402
     arguments_table,
     check_arguments,
 )
-from opake.transformers.arguments import CONSTRUCTOR, FIELD, PROPERTY  # noqa: E402
+from opake.transformers.arguments import CONSTRUCTOR, FIELD, PROPERTY, rule_for, with_launcher_settings  # noqa: E402
 
 DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs" / "transformers.md"
 
@@ -177,3 +177,46 @@ def test_the_documentation_carries_the_generated_table():
     assert found.group(1) == arguments_table(), (
         "docs/transformers.md's table differs from the code's: regenerate it with "
         "python -m opake.transformers.arguments")
+
+
+# --- what accelerate launch puts in the environment -------------------------------------------------
+
+@dataclasses.dataclass
+class _LaunchedArguments:
+    """The fields with_launcher_settings reads, for a world size the test chooses."""
+    fsdp: str = ""
+    fsdp_config: dict | None = None
+    world_size: int = 2
+    activation_checkpointing: bool = False
+
+
+_FSDP = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_TRANSFORMER_CLS_TO_WRAP": "GPT2Block, GPT2MLP"}
+
+
+def test_accelerate_launch_fsdp_becomes_training_arguments_fsdp():
+    launched = with_launcher_settings(_LaunchedArguments(), _FSDP)
+    assert launched.fsdp == "full_shard"
+    assert launched.fsdp_config == {"reshard_after_forward": True, "transformer_layer_cls_to_wrap": ["GPT2Block", "GPT2MLP"]}
+    shard_grad_op = with_launcher_settings(_LaunchedArguments(), {**_FSDP, "FSDP_SHARDING_STRATEGY": "SHARD_GRAD_OP"})
+    assert shard_grad_op.fsdp_config["reshard_after_forward"] is False
+    # without accelerate's flag, on one process, or with fsdp already asked for: unchanged
+    for args, environ in ((_LaunchedArguments(), {}), (_LaunchedArguments(world_size=1), _FSDP),
+                          (_LaunchedArguments(fsdp="full_shard", fsdp_config={"x": 1}), _FSDP)):
+        assert with_launcher_settings(args, environ) is args
+
+
+@pytest.mark.parametrize("environ, message", [
+    ({"ACCELERATE_USE_DEEPSPEED": "true"}, "DeepSpeed shards and reduces gradients itself"),
+    ({**_FSDP, "FSDP_SHARDING_STRATEGY": "HYBRID_SHARD"}, "hybrid sharding and NO_SHARD are not supported"),
+    ({**_FSDP, "FSDP_RESHARD_AFTER_FORWARD": "NO_SHARD"}, "hybrid sharding and NO_SHARD are not supported"),
+    ({**_FSDP, "FSDP_ACTIVATION_CHECKPOINTING": "true"}, "activation_checkpointing"),
+])
+def test_accelerate_launch_settings_dp_trainer_cannot_honour_are_refused(environ, message):
+    with pytest.raises(UnsupportedTrainingArgumentError, match=message):
+        with_launcher_settings(_LaunchedArguments(), environ)
+
+
+def test_accelerate_launch_fsdp_offloading_is_refused_by_the_fsdp_config_row():
+    launched = with_launcher_settings(_LaunchedArguments(), {**_FSDP, "FSDP_OFFLOAD_PARAMS": "true"})
+    assert not rule_for("fsdp_config").accepts(launched.fsdp_config)
+    assert rule_for("fsdp_config").accepts(with_launcher_settings(_LaunchedArguments(), _FSDP).fsdp_config)

@@ -1,8 +1,9 @@
 """DPTrainer on several processes (2 gloo ranks on CPU, spawned with torchrun's environment).
 
-Replicated (Trainer's DDP wrap kept from synchronizing gradients) and FSDP (``fsdp=True``: the
-model sharded with fully_shard by DPTrainer before planning) train what one process trains with
-the same key: the same epsilon and steps, parameters within float summation order. Each rank
+Replicated (Trainer's DDP wrap kept from synchronizing gradients) and FSDP (``fsdp=True``, or
+accelerate launch's FSDP environment: the model sharded with fully_shard by DPTrainer before
+planning) train what one process trains with the same key: the same epsilon and steps,
+parameters within float summation order. Each rank
 saves its own part of the noise state in every checkpoint, and a run resumed from them with the
 explicit replay choice ends on the uninterrupted run's parameters.
 """
@@ -44,9 +45,10 @@ def _relative(got: dict, expected: dict) -> float:
     return max(float((got[name] - expected[name]).norm() / expected[name].norm()) for name in expected)
 
 
-@pytest.mark.parametrize("mode", ["replicated", "fsdp"])
+@pytest.mark.parametrize("mode", ["replicated", "fsdp", "accelerate_fsdp"])
 def test_dp_trainer_on_two_ranks_is_the_one_process_run(ranks, single, mode):
     for result in ranks:
+        assert result[mode]["sharded"] == (mode != "replicated")
         assert result[mode]["epsilon"] == single["epsilon"] and result[mode]["steps"] == single["steps"]
         assert _relative(result[mode]["params"], single["params"]) < 1e-5
     assert _relative(ranks[1][mode]["params"], ranks[0][mode]["params"]) < 1e-6

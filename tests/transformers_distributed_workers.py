@@ -1,5 +1,6 @@
 """Worker of tests/test_transformers_distributed.py: DPTrainer under torch.distributed (spawned with
-torchrun's environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), replicated and FSDP."""
+torchrun's environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), replicated, FSDP, and FSDP
+asked for as accelerate launch --use_fsdp does (its environment variables only)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ def train(folder: pathlib.Path, world_size: int = 1, fsdp: bool = False, resume:
     params = {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
               for name, p in model.named_parameters()}
     return {"params": params, "epsilon": trainer.private.epsilon, "steps": trainer.private.steps_taken,
+            "sharded": all(hasattr(p, "full_tensor") for p in model.parameters()),
             "examples": trainer.private.optimizer.last_step_examples,
             "files": sorted(p.name for p in folder.glob("out/checkpoint-*/opake_private*"))}
 
@@ -49,4 +51,8 @@ def worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
         "fsdp": train(out / "fsdp", world_size, fsdp=True),
     }
     results["resumed"] = train(out / "resumed", world_size, resume=out / "replicated" / "out" / "checkpoint-3")
+    # accelerate launch --use_fsdp: no TrainingArguments(fsdp=...), only accelerate's environment
+    os.environ.update(ACCELERATE_USE_FSDP="true", FSDP_VERSION="2", FSDP_AUTO_WRAP_POLICY="TRANSFORMER_BASED_WRAP",
+                      FSDP_TRANSFORMER_CLS_TO_WRAP="GPT2Block", FSDP_RESHARD_AFTER_FORWARD="true")
+    results["accelerate_fsdp"] = train(out / "accelerate_fsdp", world_size)
     torch.save(results, out / f"rank{rank}.pt")

@@ -6,7 +6,8 @@ The same tiny Llama, AdamW and batches as distributed_finetune.py's FSDP2 run, m
 Opacus' FSDP2 ghost clipping: ``FSDP2Wrapper`` (every layer with parameters sharded, then the root)
 and ``PrivacyEngine.make_private(..., grad_sample_mode="ghost_fsdp")`` with the per-token
 cross-entropy as its criterion (fixed batches of the nominal size, ``poisson_sampling=False``, so
-that every step does the same work as ours). Each rank reports the median step time, the peak of
+that every step does the same work as ours: a global batch of ``size['batch']``, each rank
+reading its share through a ``DistributedSampler``). Each rank reports the median step time, the peak of
 torch's live tensors (``LiveMemory``) and its bytes of parameters and optimizer state (Opacus keeps
 no noise state); rank 0 prints one JSON line, a list with one entry per rank, or
 ``{"error": ...}``.
@@ -55,7 +56,11 @@ def run(size: dict, steps: int, device: str) -> dict:
         model = FSDP2Wrapper(build_model(size).to(device))
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         data = Tokens(size)
-        loader = torch.utils.data.DataLoader(data, batch_size=size["batch"] * dist.get_world_size(), shuffle=False)
+        # Opacus leaves a loader without Poisson sampling as it is: each rank reads its own share of the
+        # global batch through a DistributedSampler, as ours reads its part of each planned batch.
+        world_size = dist.get_world_size()
+        sampler = torch.utils.data.distributed.DistributedSampler(data, shuffle=False)
+        loader = torch.utils.data.DataLoader(data, batch_size=size["batch"] // world_size, sampler=sampler)
         engine = PrivacyEngine()
         model, optimizer, criterion, loader = engine.make_private(
             module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0,

@@ -19,13 +19,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from opake.errors import OpakeError
 
 __all__ = ["ARGUMENT_RULES", "ArgumentRule", "UnsupportedTrainingArgumentError", "arguments_table",
-           "check_arguments", "is_constructor_rule", "is_property_rule"]
+           "check_arguments", "is_constructor_rule", "is_property_rule", "with_launcher_settings"]
 
 TREATMENTS = ("pass", "map", "ignore", "refuse")
 FIELD, PROPERTY, CONSTRUCTOR = "TrainingArguments", "TrainingArguments property", "DPTrainer argument"
@@ -397,9 +398,12 @@ def _violations(values: dict, by_name: dict, wanted) -> list[str]:
     return problems
 
 
-def _combinations(args) -> list[str]:
+def _combinations(args, fsdp=None, activation_checkpointing=None) -> list[str]:
     """Refusals of two fields together, which the one-field rows cannot state."""
-    if args.fsdp and args.activation_checkpointing:
+    fsdp = args.fsdp if fsdp is None else fsdp
+    activation_checkpointing = args.activation_checkpointing if activation_checkpointing is None \
+        else activation_checkpointing
+    if fsdp and activation_checkpointing:
         return ["TrainingArguments fsdp with activation_checkpointing=True: FSDP2's unsharding around recomputed "
                 "layers has not been tested with the per-example hooks; train sharded without activation "
                 "checkpointing, or checkpoint in one process"]
@@ -435,6 +439,52 @@ def check_arguments(args, constructor: dict | None = None, *, rules=ARGUMENT_RUL
             "DPTrainer cannot honour these arguments privately:\n  - " + "\n  - ".join(problems)
             + "\n(the full table: opake.transformers.arguments_table(), docs/transformers.md)"
         )
+
+
+def _flag(environ, name: str) -> bool:
+    return environ.get(name, "false").strip().lower() in ("1", "true", "yes")
+
+
+# accelerate's sharding strategies (by name or number) -> FSDP2's reshard_after_forward; the
+# others (NO_SHARD, HYBRID_SHARD, _HYBRID_SHARD_ZERO2) are not a dim-0 split on one mesh.
+_RESHARD_BY_STRATEGY = {"FULL_SHARD": True, "1": True, "SHARD_GRAD_OP": False, "2": False,
+                        "TRUE": True, "FALSE": False}
+
+
+def with_launcher_settings(args, environ=None):
+    """``args`` with the parallelism ``accelerate launch`` put in the environment made explicit.
+
+    ``accelerate launch --use_fsdp`` (or a config file with FSDP) leaves ``TrainingArguments.fsdp``
+    empty and sets ``ACCELERATE_USE_FSDP`` and ``FSDP_*`` variables, which the Accelerator that
+    Trainer builds reads to wrap the model after DPTrainer has planned (on GPUs; on CPU accelerate
+    ignores them). Returned as ``fsdp`` / ``fsdp_config``, they go through the same rows as
+    ``TrainingArguments(fsdp=...)``: DPTrainer shards the model itself, a TRL trainer refuses.
+    ``ACCELERATE_USE_DEEPSPEED`` (from which TrainingArguments builds a DeepSpeed plugin) is refused
+    for the deepspeed row's reason. One process needs no sharding: the variables are left to the caller.
+    """
+    environ = os.environ if environ is None else environ
+    if _flag(environ, "ACCELERATE_USE_DEEPSPEED") or getattr(args, "deepspeed_plugin", None) is not None:
+        raise UnsupportedTrainingArgumentError(
+            f"accelerate launch with DeepSpeed (ACCELERATE_USE_DEEPSPEED): refused because "
+            f"{rule_for('deepspeed').reason}; launch with torchrun, or with accelerate launch without DeepSpeed "
+            f"(FSDP is supported: --use_fsdp)")
+    if args.fsdp or not _flag(environ, "ACCELERATE_USE_FSDP") or args.world_size == 1:
+        return args
+    strategy = environ.get("FSDP_RESHARD_AFTER_FORWARD") or environ.get("FSDP_SHARDING_STRATEGY") or "FULL_SHARD"
+    if strategy.strip().upper() not in _RESHARD_BY_STRATEGY:
+        raise UnsupportedTrainingArgumentError(
+            f"accelerate launch with FSDP sharding {strategy!r}: DPTrainer shards with FSDP2's fully_shard on one "
+            f"mesh (FULL_SHARD or SHARD_GRAD_OP); hybrid sharding and NO_SHARD are not supported: choose one of "
+            f"those, or launch without FSDP (replicated)")
+    config = {"reshard_after_forward": _RESHARD_BY_STRATEGY[strategy.strip().upper()]}
+    if _flag(environ, "FSDP_OFFLOAD_PARAMS"):
+        config["cpu_offload"] = True  # refused by the fsdp_config row, with its reason
+    if environ.get("FSDP_TRANSFORMER_CLS_TO_WRAP"):
+        config["transformer_layer_cls_to_wrap"] = [name.strip() for name in
+                                                   environ["FSDP_TRANSFORMER_CLS_TO_WRAP"].split(",") if name.strip()]
+    if _flag(environ, "FSDP_ACTIVATION_CHECKPOINTING"):
+        raise UnsupportedTrainingArgumentError(_combinations(args, fsdp=True, activation_checkpointing=True)[0])
+    return dataclasses.replace(args, fsdp="full_shard", fsdp_config=config)
 
 
 _DEFAULTS: dict = {}

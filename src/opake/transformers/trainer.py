@@ -60,7 +60,7 @@ from transformers.utils import is_datasets_available
 from opake.torch import make_private
 from opake.torch.short_run import warn_if_short
 from opake.transformers.arguments import (ARGUMENT_RULES, UnsupportedTrainingArgumentError, check_arguments,
-                                         is_constructor_rule)
+                                         is_constructor_rule, with_launcher_settings)
 from opake.transformers.batches import (EmptyBatchCollator, batch_size_of, lockstep_micro_batches, micro_batches,
                                         unit_micro_batches)
 
@@ -174,7 +174,7 @@ class PrivateTrainerMixin:
             run_args = self.default_arguments()
         if not isinstance(run_args, transformers.TrainingArguments):
             raise TypeError(f"args must be a transformers.TrainingArguments, got {type(run_args).__name__}")
-        run_args = self.arguments_of_trainer(run_args)
+        run_args = with_launcher_settings(self.arguments_of_trainer(run_args))
         if arguments.get("model") is None:
             raise TypeError(f"{type(self).__name__} needs model= (the model make_private hooks)")
         given = {**arguments, "privacy_unit": privacy_unit}  # the constructor's, and the plan's that rows name
@@ -183,9 +183,18 @@ class PrivateTrainerMixin:
         self.private_args = run_args
         if run_args.fsdp:  # sharded here, before planning; Trainer then leaves the model as it is
             _fully_shard(arguments["model"], run_args)
+        if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+            # accelerate launch's FSDP, read above: the Accelerator Trainer builds must not wrap the
+            # model again after planning (on one process there is nothing to shard)
+            os.environ["ACCELERATE_USE_FSDP"] = "false"
         arguments["args"] = dataclasses.replace(run_args, gradient_accumulation_steps=1, max_grad_norm=0.0,
                                                 ignore_data_skip=True, fsdp="", fsdp_config=None)
         super().__init__(**arguments)
+        if getattr(self, "is_fsdp_enabled", False):
+            raise UnsupportedTrainingArgumentError(
+                "Trainer's accelerator would wrap the model in FSDP after make_private planned it (an FSDP plugin "
+                "given to accelerate directly): ask for FSDP through TrainingArguments(fsdp=...) or accelerate "
+                "launch --use_fsdp, which DPTrainer reads and shards itself")
         self.check_trainer_setup()  # what the parent trainer decided in its __init__; nothing is hooked yet
         self.micro_batch_size = int(run_args.per_device_train_batch_size)
         # Trainer's global batch: per device, times accumulation, times the processes (each serves its part)
