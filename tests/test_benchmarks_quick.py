@@ -35,6 +35,7 @@ TABLES = {
     "training_step.py": "plain ms opake ms",
     "adam_noise_correction.py": "| mechanism | optimizer |",
     "blt_resolve.py": "learning-rate schedule",
+    "plan_time.py": "BLT named s",
     "band_mf.py": "poisson PLD accounting",
 }
 TIMEOUT = 300

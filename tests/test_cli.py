@@ -67,3 +67,17 @@ def test_context_options_alone_still_default_the_others(capsys):
     report = _plan_json(capsys, "--n-steps", "300", "--max-buffers", "2")
     assert report["context"] == {"n_steps": 300, "min_sep": 100, "max_participations": 5,
                                  "effective_participations": 3}
+
+
+def test_a_data_set_plan_states_what_make_private_takes_without_a_strategy(capsys):
+    """The default's choice (opake.torch.choice through plan_privacy) agrees with the plan's own
+    table, computed by another path (opake.plan): the proven row with the least worst-step error."""
+    report = _plan_json(capsys, "--num-examples", "1200", "--batch-size", "40", "--epochs", "20", "--epsilon", "3")
+    rows = {r["strategy"]: r for r in report["strategies"]}
+    proven = ("BLT", "BandMF", "DP-SGD Poisson")  # the amplified BLT row is not proven for adaptive gradients
+    least = min(proven, key=lambda name: rows[name]["rmse_max"])
+    default = report["make_private_default"]
+    assert least == "BandMF" and default["chosen"].startswith("BandMF")  # 4 bands: 30.9 against 34.1 and 35.1
+    assert default["epsilon"] <= 3.0
+    assert default["noise_multiplier"] == pytest.approx(rows["BandMF"]["noise_multiplier"], rel=1e-2)
+    assert default["chosen"] in default["reason"]

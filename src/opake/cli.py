@@ -123,6 +123,7 @@ def _plan_dataset(args) -> int:
                         max_buffers=args.max_buffers, error=args.error, progress=args.progress)
     seconds = time.perf_counter() - start
     run = plan.dataset
+    choice = _default_choice(args)
     rows = {r.name: r for r in plan.rows}
     blt, poisson_sgd = rows["BLT amplified"], rows["DP-SGD Poisson"]
     report = {
@@ -143,6 +144,9 @@ def _plan_dataset(args) -> int:
         "blt_amplified_over_poisson_dpsgd": {"rmse_max": blt.rmse_max / poisson_sgd.rmse_max,
                                              "rmse_mean": blt.rmse_mean / poisson_sgd.rmse_mean},
         "seconds": seconds,
+        "make_private_default": {"chosen": choice.chosen.name, "sampling": choice.sampling,
+                                 "accounting": choice.accounting, "noise_multiplier": choice.noise_multiplier,
+                                 "epsilon": choice.epsilon, "reason": choice.reason, "seconds": choice.seconds},
     }
     if _write_plot_or_json(plan, report, args):
         return 0
@@ -160,9 +164,23 @@ def _plan_dataset(args) -> int:
     for r in plan.rows:
         print(f"  {r.name:<15} {r.sampling}; {r.accounting}")
     print(f"\n{_dataset_summary(plan, args.error)} Planned in {seconds:.1f} s.")
+    print(f"\nmake_private without a strategy (plain SGD's workload; another optimizer may choose differently) "
+          f"takes {choice.chosen.name}: {choice.reason}.\n{choice.table()}")
     if args.plot:
         print(f"Plot written to {args.plot}")
     return 0
+
+
+def _default_choice(args):
+    """What make_private (opake.torch.planning.plan_privacy) takes without a strategy for this data
+    set and budget: the least-noise mechanism proven for adaptive gradients (opake.torch.choice)."""
+    from opake.random import key
+    from opake.torch.planning import plan_privacy
+
+    plan = plan_privacy(num_examples=args.num_examples, batch_size=args.batch_size, epochs=args.epochs,
+                        max_grad_norm=1.0, key=key(0), target_epsilon=args.epsilon, target_delta=args.delta,
+                        progress=False)
+    return plan.choice
 
 
 def _dataset_summary(plan, error: str) -> str:
