@@ -380,6 +380,57 @@ def test_the_loader_serves_one_planned_epoch_per_pass_and_stops_after_the_plan()
     assert isinstance(engine.private.optimizer, DPOptimizer)
 
 
+def test_the_returned_loader_given_to_a_new_engine_plans_a_fresh_run_over_the_same_data():
+    # Opacus' examples/mnist.py --n-runs: each run builds a new model and engine but privatizes the loader
+    # the previous make_private returned. Opacus reads its DPDataLoader as the same data at the same rate;
+    # so does the adapter: the dataset, batch size and loading options of the DataLoader it was made from.
+    collate = torch.utils.data.default_collate
+    first, _ = _sigma_run(0, passes=1, epochs=1, noise_multiplier=2.0)
+    planned = first.private.data_loader
+    torch.manual_seed(1)
+    model = Net().double()
+    second = PrivacyEngine()
+    _, optimizer, loader = second.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5), data_loader=planned,
+        noise_multiplier=2.0, max_grad_norm=1.0)
+    assert loader is not planned and loader.dataset is planned.dataset and loader.collate_fn is not collate
+    one, two = first.private.plan, second.private.plan
+    assert (two.sampling, two.sample_rate, two.steps_per_epoch) == ("poisson", one.sample_rate, one.steps_per_epoch)
+    assert optimizer.expected_batch_size == 32 and second.private.steps_taken == 0 and second.get_epsilon(DELTA) == 0
+    assert _epoch(model, optimizer, loader) == 8
+    assert second.get_epsilon(DELTA) == pytest.approx(_pld_epsilon(2.0, 32 / 256, 8), rel=1e-9)
+    with pytest.raises(PlanExhaustedError):          # the first loader still serves the first run (1 epoch, done)
+        next(iter(planned))
+    # The loading options come with it (here a collate function of the caller's).
+    seen = []
+
+    def counting(batch):
+        seen.append(len(batch))
+        return torch.utils.data.default_collate(batch) if batch else collate([_dataset()[0]])
+
+    torch.manual_seed(2)
+    model = Net()
+    engines = [PrivacyEngine(), PrivacyEngine()]
+    _, _, returned = engines[0].make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5), noise_multiplier=2.0,
+        data_loader=torch.utils.data.DataLoader(_dataset(), batch_size=64, collate_fn=counting), max_grad_norm=1.0,
+        epochs=1)
+    model = Net()
+    _, _, again = engines[1].make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
+                                          data_loader=returned, noise_multiplier=2.0, max_grad_norm=1.0, epochs=1)
+    assert again.collate_fn is counting and engines[1].private.plan.sample_rate == 64 / 256
+    next(iter(again))
+    assert len(seen) == 1
+    # A planned loader of opake.torch.make_private itself records no batch size: refused, saying what to pass.
+    model = Net()
+    own = opake.torch.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
+                                   dataset=_dataset(), batch_size=32, epochs=1, max_grad_norm=1.0,
+                                   noise_multiplier=2.0, target_delta=DELTA, strategy=identity_strategy(),
+                                   sampling="poisson", key=key(0))
+    _refused(r"planned loader of a run made by opake.torch.make_private.*DataLoader\(dataset, batch_size=B\)",
+             data_loader=own.data_loader)
+
+
 # --- the documented scripts -----------------------------------------------------------------------
 
 def _doc_blocks():

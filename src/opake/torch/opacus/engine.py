@@ -38,7 +38,7 @@ from opake.torch.opacus.accountant import RunAccountant
 from opake.torch.opacus.checkpoint import load_checkpoint, save_checkpoint
 from opake.torch.opacus.keys import run_key
 from opake.torch.opacus.optimizer import as_opacus_optimizer
-from opake.torch.opacus.options import from_loader, refuse_other_options
+from opake.torch.opacus.options import from_loader, refuse_other_options, remember_source
 from opake.torch.private import PrivateTraining, make_private
 from opake.torch.validation import fix_model, require_valid_model
 
@@ -177,6 +177,7 @@ class PrivacyEngine:
     def _attach(self, *, loader_options: dict, key, **arguments):
         private = make_private(key=run_key(key, self.secure_mode), **arguments, **loader_options)
         as_opacus_optimizer(private.optimizer)
+        remember_source(private.data_loader, arguments["batch_size"], loader_options)  # a later run may reuse it
         self.private = private
         return private.module, private.optimizer, private.data_loader  # one epoch of the plan per pass
 

@@ -4,13 +4,24 @@ Opacus options that would change what is run are refused before anything is plan
 what opake does instead; the DataLoader gives the dataset, the batch size (Opacus' expected
 batch size) and the loading settings (workers, pinning, collate function), while its
 ``shuffle``/``sampler`` give way to the planned batches.
+
+The loader a previous ``make_private`` of the adapter returned is read as the DataLoader it was
+made from (``remember_source``): the same dataset, batch size and loading settings, so a new
+engine given it plans a fresh run over the same data, as Opacus does when its ``DPDataLoader``
+is privatized again (its ``examples/mnist.py --n-runs`` loop reuses the returned loader). A
+planned loader made by ``opake.torch.make_private`` itself records no batch size and is refused.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["from_loader", "refuse_other_options"]
+from opake.torch.loader import PlannedDataLoader
+
+__all__ = ["from_loader", "refuse_other_options", "remember_source"]
+
+# The attribute of a planned loader returned by the adapter that holds what it was made from.
+_SOURCE = "_opacus_source"
 
 # DataLoader settings that only say how batches are loaded (not which examples): passed through.
 _LOADING_OPTIONS = ("num_workers", "pin_memory", "timeout", "worker_init_fn", "multiprocessing_context",
@@ -44,10 +55,24 @@ def refuse_other_options(*, clipping="flat", max_grad_norm=1.0, grad_sample_mode
                          "the optimizer step still adds that step's noise (skip the backward when it is empty)")
 
 
+def remember_source(planned_loader: PlannedDataLoader, batch_size: int, loader_options: dict) -> None:
+    """Record on the adapter's planned loader the batch size and loading options it was made from."""
+    setattr(planned_loader, _SOURCE, (batch_size, dict(loader_options)))
+
+
 def from_loader(data_loader) -> tuple:
-    """(dataset, batch size, loading options) of the caller's DataLoader."""
+    """(dataset, batch size, loading options) of the caller's DataLoader (for a planned loader the
+    adapter returned, of the DataLoader it was made from: module docstring)."""
     if not isinstance(data_loader, torch.utils.data.DataLoader):
         raise TypeError(f"data_loader must be a torch.utils.data.DataLoader, got {type(data_loader).__name__}")
+    if isinstance(data_loader, PlannedDataLoader):
+        source = getattr(data_loader, _SOURCE, None)
+        if source is None:
+            raise ValueError("data_loader is the planned loader of a run made by opake.torch.make_private, which "
+                             "does not record the batch size it was planned with: pass a "
+                             "DataLoader(dataset, batch_size=B) for the new run")
+        batch_size, options = source
+        return data_loader.dataset, batch_size, dict(options)
     dataset = data_loader.dataset
     if isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__len__"):
         raise ValueError("data_loader must read a map-style dataset with len() (indexable examples): opake draws "
