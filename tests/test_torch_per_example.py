@@ -238,7 +238,7 @@ def test_kept_layers_release_their_tensors_and_return_them_to_the_budget():
     inputs = torch.randn(3, 1, 4, 4, dtype=F64)
     kept, released = [], []
     per_example_grads = conv_rules.ConvRule.per_example_grads
-    release = bookkeeping._release
+    release = bookkeeping.release
 
     def spy(self, module, stored, grads, names, dtype):
         kept.append((module.in_channels, tuple(names)))
@@ -250,7 +250,7 @@ def test_kept_layers_release_their_tensors_and_return_them_to_the_budget():
         assert call.stored is None and all(grad is None for grad in call.grads)
 
     with mock.patch.object(conv_rules.ConvRule, "per_example_grads", spy), \
-            mock.patch.object(bookkeeping, "_release", spy_release):
+            mock.patch.object(bookkeeping, "release", spy_release):
         check_against_reference(model, inputs, _targets_like(model, inputs))
     assert sorted(kept) == [(1, ("weight", "bias")), (4, ("weight", "bias")), (8, ("weight", "bias"))]
     assert sorted(released) == [1, 4, 8]

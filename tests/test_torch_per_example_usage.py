@@ -262,3 +262,32 @@ def test_reentrant_checkpoint_with_two_passes_awaiting_backward_is_refused():
     loss = model(inputs[:2]).sum() + model(inputs[2:]).sum()
     with pytest.raises(ClipperUsageError, match=r"use_reentrant=True.*2 forward passes.*use_reentrant=False"):
         loss.backward()
+
+
+def test_a_kept_loss_does_not_keep_the_passes_stored_activations_alive():
+    """``loss = model(x).sum(); loss.backward()`` keeps the graph, and with it the gradient hooks
+    on each hooked layer's output, which hold that layer's call: once the pass is clipped, what the
+    call stored for the norms (inputs, output gradients) must be dropped anyway. Negative control:
+    the calls of a pass not yet clipped (no backward) still hold theirs."""
+    import gc
+
+    from opake.torch.per_example.bookkeeping import LayerCall
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+
+    def live_calls():  # this model's (other tests may leave calls of their own)
+        gc.collect()
+        return [o for o in gc.get_objects() if isinstance(o, LayerCall) and any(o.layer.module is m for m in model)]
+
+    clipper = PerExampleClipper(model, 1.0, loss_reduction="sum")
+    loss = model(torch.randn(5, 4)).sum()
+    assert len(live_calls()) == 2 and all(call.stored is not None for call in live_calls())
+    loss.backward()
+    clipper.clipped_sum()
+    held = live_calls()
+    assert held, "the kept graph's hooks still hold the calls (what this test is about)"
+    assert all(call.stored is None and not any(g is not None for g in call.grads) for call in held)
+    pending = model(torch.randn(5, 4)).sum()
+    assert any(call.stored is not None for call in live_calls()) and pending.requires_grad
+    clipper.remove()

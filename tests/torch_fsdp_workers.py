@@ -186,6 +186,34 @@ def _refusals(rank: int, world_size: int) -> dict:
     return out
 
 
+def bucketed_reduction(rank: int, world_size: int) -> dict:
+    """``Sharded.reduce`` of the same clipped sums in buckets of several sizes (one parameter each,
+    a few parameters, one bucket), and the reference: the all-reduced sums' rows of this rank."""
+    from torch.distributed.fsdp import fully_shard
+
+    from opake.torch.reduction import Sharded
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))  # 7 and 3 rows: padded chunks
+    fully_shard(model)
+    parameters = dict(model.named_parameters())
+    generator = torch.Generator().manual_seed(rank)
+    sums = {name: torch.randn(p.shape, generator=generator) for name, p in parameters.items()}
+    reduction = Sharded(parameters, None, rank, world_size)
+    reference = {}
+    for name, tensor in sums.items():
+        total = tensor.clone()
+        dist.all_reduce(total)
+        start, stop = reduction.rows[name]
+        reference[name] = total[start:stop].reshape(-1)
+    shards, handed_over = {}, True
+    for bucket_elements in (1, 40, reduction.bucket_elements):
+        given = {name: tensor.clone() for name, tensor in sums.items()}
+        shards[bucket_elements] = Sharded(parameters, None, rank, world_size, bucket_elements).reduce(given)
+        handed_over = handed_over and not given  # every full-size sum was taken out once sent
+    return {"shards": shards, "reference": reference, "handed_over": handed_over}
+
+
 def worker(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
     torch.set_num_threads(1)
     os.environ["OMP_NUM_THREADS"] = "1"
@@ -194,6 +222,7 @@ def worker(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
         results = {f"{kind}-{'lora' if lora else 'full'}": train_hf(kind, lora, shard=True) for kind, lora in CONFIGS}
         results["llama-full-bf16"] = train_hf("llama", False, shard=True, bf16=True)
         results["llama-small-batches"] = train_hf("llama", False, shard=True, batch_size=2)
+        results["buckets"] = bucketed_reduction(rank, world_size)
         results["refusals"] = _refusals(rank, world_size)
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:

@@ -175,13 +175,15 @@ class DPOptimizer(torch.optim.Optimizer):
         except Exception as error:  # every rank learns of it before any collective of the step
             failure = error
         self.reduction.agree(step, failure)
+        # The sums are the step's alone from here: the reduction may drop each full-size sum once it
+        # has sent it (Sharded does, bucket by bucket), which frees memory only if the clipper lets go.
+        self.clipper.reset()
         sums = self.reduction.reduce(sums)
         gradients = clipped({name: sums[name] / self.normalization for name in self.parameters},
                             l2_bound=self.max_grad_norm, normalization=self.normalization)
         noisy = self.run.release(gradients)
         self.reduction.write(self.parameters, noisy.pytree)
         self.last_step_examples = examples
-        self.clipper.reset()
         set_noise_variance = getattr(self.original_optimizer, "set_noise_variance", None)
         if callable(set_noise_variance):  # a DP-aware optimizer (opake.torch.DPAdamW) corrects for the noise
             set_noise_variance(noisy.noise_variance)

@@ -14,9 +14,11 @@ the noised gradient where the optimizer reads it. ``DPOptimizer`` asks its reduc
   parameter is a DTensor sharded along dimension 0): each rank clips its own examples, which
   live on that rank only (FSDP gathers each layer's weights for its forward and backward), so
   the per-example norms need no communication. The clipped sums (full-size, per rank) are
-  reduce-scattered into the ranks' shards (one collective per dtype), each rank noises its own
-  shard from the shared (key, step, path, index) draws with ``shard_mf_gaussian_noise`` (no
-  collective), and the noised shard becomes the DTensor gradient the optimizer steps. Autograd's
+  reduce-scattered into the ranks' shards, one bucket of bounded size at a time (each full-size
+  sum is dropped once it is in its bucket: the step's transient is a bucket, not copies of the
+  model), each rank noises its own shard from the shared (key, step, path, index) draws with
+  ``shard_mf_gaussian_noise`` (no collective), and the noised shard becomes the DTensor gradient
+  the optimizer steps. Autograd's
   own gradients of the layers' weights go to FSDP's unsharded parameters; the guard takes them
   there (``autograd_parameters``), so FSDP has nothing unclipped to reduce-scatter.
 
@@ -35,6 +37,10 @@ from opake.errors import OpakeError
 from opake.torch.ranks import RankDisagreementError
 
 __all__ = ["Replicated", "Sharded", "ShardingError", "SingleProcess"]
+
+# Elements of one reduce-scatter's send buffer on each rank (16 MiB of float32): large enough that
+# a collective's latency is small beside its transfer, small beside a model worth sharding.
+BUCKET_ELEMENTS = 2**22
 
 
 class ShardingError(OpakeError, ValueError):
@@ -124,11 +130,13 @@ class Replicated(_Group):
 class Sharded(_Group):
     """Every rank of ``process_group`` holds the dim-0 shard of every parameter (FSDP2 DTensors)."""
 
-    def __init__(self, parameters: dict, process_group, rank: int, world_size: int):
+    def __init__(self, parameters: dict, process_group, rank: int, world_size: int,
+                 bucket_elements: int = BUCKET_ELEMENTS):
         self.process_group = process_group
         self.rank, self.world_size = rank, world_size
         self.device = next(iter(parameters.values())).device
         self.rows = {name: _shard_rows(name, p, rank, world_size) for name, p in parameters.items()}
+        self.bucket_elements = bucket_elements
 
     def autograd_parameters(self, module, parameters: dict) -> dict:
         """FSDP's unsharded parameters, which autograd accumulates into (stable across steps; read by
@@ -154,20 +162,50 @@ class Sharded(_Group):
                                        **engine_arguments)
 
     def reduce(self, sums: dict) -> dict:
-        """This rank's shard (flattened) of the sum over ranks of the full-size clipped sums: one
-        reduce-scatter per dtype over the rows of every parameter, padded to equal chunks."""
+        """This rank's shard (flattened) of the sum over ranks of the full-size clipped sums.
+
+        One reduce-scatter per bucket (``_buckets``): each parameter's row chunks are written,
+        padded, straight into the bucket's send buffer, and its full-size sum leaves ``sums`` as
+        soon as it is there (``DPOptimizer`` hands the sums over, the clipper keeps none), so the
+        step holds the sums not yet sent, one bucket and the shards instead of the sums plus two
+        padded copies of them. Each element is summed over the ranks on its own, so with two
+        ranks the buckets change no bit (a + b); with more, the order of the ranks' terms is the
+        collective's choice and may depend on the buffer's layout (gloo's does, in the last bits),
+        as a model of another size would. A model smaller than one bucket is sent as before."""
         result = {}
-        for dtype in sorted({tensor.dtype for tensor in sums.values()}, key=str):
-            names = [name for name, tensor in sums.items() if tensor.dtype == dtype]
-            chunks = [self._chunk(sums[name]) for name in names]  # (world_size, chunk elements) each
-            sizes = [chunk.shape[1] for chunk in chunks]
-            gathered = torch.cat(chunks, dim=1)  # rank r's chunks of every parameter, in row r
-            mine = torch.empty(gathered.shape[1], dtype=dtype, device=gathered.device)
-            _reduce_scatter(mine, gathered.reshape(-1), self.process_group)
-            for name, piece in zip(names, mine.split(sizes)):
-                start, stop = self.rows[name]
-                result[name] = piece[: (stop - start) * _row_elements(sums[name])]
+        for names in self._buckets(sums):
+            result.update(self._reduce_bucket(names, sums))
         return result
+
+    def _buckets(self, sums: dict) -> list[list[str]]:
+        """The names of ``sums`` in runs of one dtype (dtypes in name order, names in ``sums``'
+        order), each run of at most ``bucket_elements`` padded elements, or one larger parameter."""
+        buckets = []
+        for dtype in sorted({tensor.dtype for tensor in sums.values()}, key=str):
+            bucket, size = [], 0
+            for name, tensor in sums.items():
+                if tensor.dtype != dtype:
+                    continue
+                padded = self.world_size * self._columns(tensor)
+                if bucket and size + padded > self.bucket_elements:
+                    buckets.append(bucket)
+                    bucket, size = [], 0
+                bucket.append(name)
+                size += padded
+            buckets.append(bucket)
+        return buckets
+
+    def _reduce_bucket(self, names: list, sums: dict) -> dict:
+        """Reduce-scatter the parameters ``names`` (one dtype), taking their sums out of ``sums``."""
+        columns = [self._columns(sums[name]) for name in names]
+        kept = [(self.rows[name][1] - self.rows[name][0]) * _row_elements(sums[name]) for name in names]
+        dtype, device = sums[names[0]].dtype, sums[names[0]].device
+        send = torch.empty((self.world_size, sum(columns)), dtype=dtype, device=device)
+        for name, block in zip(names, send.split(columns, dim=1)):
+            self._write_chunks(sums.pop(name), block)  # the last reference to the full-size sum, once copied
+        mine = torch.empty(send.shape[1], dtype=send.dtype, device=send.device)
+        _reduce_scatter(mine, send.reshape(-1), self.process_group)  # row r of send goes to rank r
+        return {name: piece[:length] for name, piece, length in zip(names, mine.split(columns), kept)}
 
     def write(self, parameters: dict, noised: dict) -> None:
         from torch.distributed.tensor import DTensor
@@ -177,14 +215,21 @@ class Sharded(_Group):
             parameter.grad = DTensor.from_local(local, parameter.device_mesh, parameter.placements,
                                                 shape=parameter.shape, stride=parameter.stride())
 
-    def _chunk(self, tensor: torch.Tensor) -> torch.Tensor:
-        """(world_size, ceil(rows / world_size) * row elements): the full tensor's row chunks, padded."""
+    def _columns(self, tensor: torch.Tensor) -> int:
+        """Elements of each rank's chunk of ``tensor``: ceil(rows / world_size) rows, padded."""
+        rows = tensor.shape[0] if tensor.dim() else 1
+        return -(-rows // self.world_size) * _row_elements(tensor)
+
+    def _write_chunks(self, tensor: torch.Tensor, block: torch.Tensor) -> None:
+        """Rank r's rows of ``tensor`` into row r of ``block`` (world_size, chunk elements), zeros
+        after its last row (the padding of the last ranks' chunks, which the result leaves out)."""
         rows = tensor.shape[0] if tensor.dim() else 1
         per_rank = -(-rows // self.world_size)
-        flat = tensor.reshape(rows, -1)
-        padded = flat.new_zeros((per_rank * self.world_size, flat.shape[1]))
-        padded[:rows] = flat
-        return padded.reshape(self.world_size, -1)
+        flat = tensor.reshape(rows, _row_elements(tensor))
+        for rank, chunk in enumerate(block.view(self.world_size, per_rank, flat.shape[1])):
+            part = flat[rank * per_rank:(rank + 1) * per_rank]
+            chunk[:len(part)].copy_(part)
+            chunk[len(part):].zero_()
 
 
 def _row_elements(tensor) -> int:

@@ -407,7 +407,7 @@ def _example_squares(calls, dense_names, tied_names, holders, tied_kept=None, re
         squared[name] = squared_frobenius(per_example[name])
         for call in (embedding, head):
             if id(call) in released:
-                _release(call)
+                release(call)
     for call in calls:
         layer, dtype = call.layer, _layer_dtype(call.layer)
         pairs = list(zip(layer.local_names, layer.global_names))
@@ -428,7 +428,7 @@ def _example_squares(calls, dense_names, tied_names, holders, tied_kept=None, re
                 # DP step 10-15 ms shorter, the best one 0-11 ms, than one pass over all after).
                 squared[name] = squared_frobenius(per_example[name])
         if id(call) in released:
-            _release(call)
+            release(call)
     for name, grads in per_example.items():
         if name not in squared:  # summed over several calls: complete only now
             squared[name] = squared_frobenius(grads)
@@ -437,8 +437,9 @@ def _example_squares(calls, dense_names, tied_names, holders, tied_kept=None, re
     return squared, per_example, ghost_owner
 
 
-def _release(call: LayerCall) -> None:
-    """Drop a call's stored input and output gradients (all its parameters are kept per example)."""
+def release(call: LayerCall) -> None:
+    """Drop a call's stored input and output gradients (all its parameters are kept per example, or
+    its pass is folded: the hooks on the pass's outputs still hold the call while the graph lives)."""
     call.stored = None
     call.grads = [None] * len(call.grads)
 

@@ -51,7 +51,7 @@ import torch
 from torch import nn
 
 from opake.dpftrl.clipping import clipping_rule
-from opake.torch.per_example.bookkeeping import ClippedPass, LayerCall, clip_forward_pass, sum_dtype
+from opake.torch.per_example.bookkeeping import ClippedPass, LayerCall, clip_forward_pass, release, sum_dtype
 from opake.torch.per_example.errors import ClipperUsageError, UnhookedUseError, UnsupportedModuleError
 from opake.torch.per_example.model import HookedLayer, describe, plan_model
 from opake.torch.per_example.rules.base import autocast_state, lowest_precision
@@ -569,7 +569,7 @@ class PerExampleClipper:
         self._open = keep
 
     def _fold(self, forward_pass: _ForwardPass) -> None:
-        calls, forward_pass.calls = forward_pass.calls, []  # stored tensors are freed on return
+        calls, forward_pass.calls = forward_pass.calls, []
         self._folding = True
         try:
             with contextlib.ExitStack() as full_precision:
@@ -589,6 +589,11 @@ class PerExampleClipper:
                 )
         finally:
             self._folding = False
+            # The gradient hooks on the pass's outputs hold its calls for as long as the caller
+            # keeps the graph (a loop that keeps ``loss``): without this, every activation and
+            # output gradient the pass stored would stay alive into the next forward.
+            for call in calls:
+                release(call)
         for name, part in clipped.sums.items():
             previous = self._sums.get(name)
             self._sums[name] = part if previous is None else previous + part
