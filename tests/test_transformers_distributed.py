@@ -60,3 +60,17 @@ def test_each_rank_checkpoints_its_noise_state_and_resumes_with_replay(ranks):
                                                       for r in range(WORLD_SIZE) for _ in ("checkpoint-3", "checkpoint-6"))
         assert result["resumed"]["steps"] == result["replicated"]["steps"]
         assert _relative(result["resumed"]["params"], result["replicated"]["params"]) == 0.0
+
+
+def test_a_sharded_model_is_saved_whole_by_the_main_process(ranks, tmp_path_factory):
+    """save_model (and each checkpoint, with save_only_model=True) gathers the shards: the folder
+    loads in one process and holds exactly the trained parameters."""
+    import safetensors.torch
+
+    saved = ranks[0]["fsdp"]["saved"]
+    loaded = safetensors.torch.load_file(str(saved / "model.safetensors"))
+    for name, value in ranks[0]["fsdp"]["params"].items():
+        if name in loaded:  # a tied head is saved once
+            assert torch.equal(loaded[name], value), name
+    assert len(loaded) >= len(ranks[0]["fsdp"]["params"]) - 1
+    assert (saved.parent / "out" / "checkpoint-3" / "model.safetensors").is_file()

@@ -25,6 +25,8 @@ def train(folder: pathlib.Path, world_size: int = 1, fsdp: bool = False, resume:
     extra = dict(fsdp=True) if fsdp else {}
     if save_steps:
         extra.update(save_strategy="steps", save_steps=save_steps)
+    if save_steps and fsdp:  # Trainer cannot checkpoint a sharded optimizer state: the weights only
+        extra.update(save_only_model=True)
     args = t.arguments(folder, per_device_train_batch_size=8 // world_size, num_train_epochs=1, optim="adamw_torch",
                        learning_rate=1e-2, **extra)
     trainer = DPTrainer(model=model, args=args, train_dataset=dataset, data_collator=t.collate,
@@ -33,12 +35,14 @@ def train(folder: pathlib.Path, world_size: int = 1, fsdp: bool = False, resume:
         trainer.train()
     else:
         trainer.train(resume_from_checkpoint=str(resume), draws="replay")
+    if fsdp:
+        trainer.save_model(str(folder / "final"))  # on every rank: it gathers the shards
     params = {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
               for name, p in model.named_parameters()}
     return {"params": params, "epsilon": trainer.private.epsilon, "steps": trainer.private.steps_taken,
             "sharded": all(hasattr(p, "full_tensor") for p in model.parameters()),
             "examples": trainer.private.optimizer.last_step_examples,
-            "files": sorted(p.name for p in folder.glob("out/checkpoint-*/opake_private*"))}
+            "files": sorted(p.name for p in folder.glob("out/checkpoint-*/opake_private*")), "saved": folder / "final"}
 
 
 def worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
@@ -48,7 +52,7 @@ def worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
     out = pathlib.Path(out_dir)
     results = {  # one output folder for all ranks, as under torchrun
         "replicated": train(out / "replicated", world_size, save_steps=3),
-        "fsdp": train(out / "fsdp", world_size, fsdp=True),
+        "fsdp": train(out / "fsdp", world_size, fsdp=True, save_steps=3),
     }
     results["resumed"] = train(out / "resumed", world_size, resume=out / "replicated" / "out" / "checkpoint-3")
     # accelerate launch --use_fsdp: no TrainingArguments(fsdp=...), only accelerate's environment

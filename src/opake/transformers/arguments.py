@@ -407,6 +407,12 @@ def _combinations(args, fsdp=None, activation_checkpointing=None) -> list[str]:
         return ["TrainingArguments fsdp with activation_checkpointing=True: FSDP2's unsharding around recomputed "
                 "layers has not been tested with the per-example hooks; train sharded without activation "
                 "checkpointing, or checkpoint in one process"]
+    if fsdp and _plain(getattr(args, "save_strategy", "no")) != "no" and not getattr(args, "save_only_model", False):
+        return ["TrainingArguments fsdp with save_strategy=" + repr(_plain(args.save_strategy)) + " and "
+                "save_only_model=False: Trainer cannot checkpoint the optimizer state of a model DPTrainer shards "
+                "itself (transformers refuses to resume such a run), so a checkpoint could not resume it; pass "
+                "save_only_model=True (the weights and each rank's noise state, not resumable) or "
+                "save_strategy='no'"]
     return []
 
 

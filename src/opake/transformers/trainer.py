@@ -342,6 +342,26 @@ class PrivateTrainerMixin:
 
     # -- checkpoints ------------------------------------------------------------------------
 
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Trainer's ``save_model``; a model DPTrainer sharded (``fsdp``) is saved whole: every rank
+        gathers each parameter (a collective, so every rank calls this, as Trainer's checkpoints
+        do) and the main process writes one ``save_pretrained`` folder, loadable in one process."""
+        from torch.distributed.tensor import DTensor
+
+        state = self.model.state_dict()
+        if not any(isinstance(value, DTensor) for value in state.values()):
+            return super().save_model(output_dir, _internal_call=_internal_call)
+        whole = {name: value.full_tensor() if isinstance(value, DTensor) else value for name, value in state.items()}
+        output_dir = self.args.output_dir if output_dir is None else output_dir
+        if self.args.should_save:
+            os.makedirs(output_dir, exist_ok=True)
+            self.model.save_pretrained(output_dir, state_dict=whole, is_main_process=True)
+            if self.processing_class is not None:
+                self.processing_class.save_pretrained(output_dir)
+            torch.save(self.args, os.path.join(output_dir, transformers.trainer.TRAINING_ARGS_NAME))
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, *, draws: str | None = None,
               fresh_key=None):
         """Trainer's ``train``; resuming (``resume_from_checkpoint=folder`` or True) needs
