@@ -62,7 +62,7 @@ MODULES = ("argparse", "ast", "asyncio", "base64", "bisect", "calendar", "codecs
            "timeit", "tkinter", "tokenize", "traceback", "turtle", "typing", "unittest", "urllib.parse",
            "urllib.request", "uuid", "warnings", "wave", "weakref", "xml.dom.minidom", "xml.etree.ElementTree",
            "zipfile", "zoneinfo")
-LEARNING_RATES = (3e-4, 1e-3, 3e-3, 1e-2)
+LEARNING_RATES = (3e-4, 1e-3, 3e-3, 1e-2, 3e-2)
 # DPAdamW divides by sqrt(max(v - noise variance, floor)): with the floor at 1e-2 its steps are
 # about lr / 0.1 where AdamW's are lr / sqrt(v); its best rates sit near 0.3 sqrt(floor)
 # (benchmarks/adam_noise_correction.py), so it gets its own grid.
@@ -305,7 +305,8 @@ def tuned(run, seeds, rates=LEARNING_RATES) -> dict:
     first = {rate: run(rate, seeds[0]) for rate in rates}
     rate = min(first, key=lambda r: first[r]["validation"])
     results = [first[rate]] + [run(rate, seed) for seed in seeds[1:]]
-    return {"rate": rate, "runs": results, "tests": [r["test"] for r in results]}
+    return {"rate": rate, "runs": results, "tests": [r["test"] for r in results],
+            "validation_by_rate": {str(r): first[r]["validation"] for r in rates}}
 
 
 def _summary(tests: list) -> tuple[float, float]:
