@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 from unittest import mock
 
 import pytest
@@ -16,6 +17,7 @@ from opake.dpftrl.clipping import NonFiniteGradientError
 from opake.torch.per_example import (
     BatchDimensionError,
     ClipperUsageError,
+    FallbackWarning,
     PerExampleClipper,
     UnsupportedModuleError,
 )
@@ -340,6 +342,34 @@ def test_fallback_prelu():
         model[1].weight.uniform_(-1, 1)
     inputs = torch.randn(5, 2, 4, 4, dtype=F64)
     check_against_reference(model, inputs, _targets_like(model, inputs))
+
+
+class _CellLoop(nn.Module):
+    """An LSTMCell called at every time step: two outputs, h computed inside the layer from c."""
+
+    def __init__(self, steps: int):
+        super().__init__()
+        self.cell, self.head, self.steps = nn.LSTMCell(3, 4), nn.Linear(4, 2), steps
+
+    def forward(self, x):
+        state = (x.new_zeros(x.shape[0], 4), x.new_zeros(x.shape[0], 4))
+        for t in range(self.steps):
+            state = self.cell(x[:, t], state)
+        return self.head(state[0])
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+def test_fallback_layer_whose_output_feeds_its_other_output(steps):
+    """A hook on LSTMCell's c also sees the gradient that reaches c through the cell's own h; the
+    replay must get only the gradient from outside (negative control: that total as cotangent
+    doubles the c path: the clipped sum of one call was 2x autograd's, silently)."""
+    torch.manual_seed(0)
+    model = _CellLoop(steps).to(F64)
+    inputs = torch.randn(5, steps, 3, dtype=F64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FallbackWarning)
+        check_against_reference(model, inputs, _targets_like(model, inputs))
+        check_against_reference(model, inputs, _targets_like(model, inputs), max_grad_norm=1e9)
 
 
 class _Attention(nn.Module):

@@ -511,8 +511,17 @@ class PerExampleClipper:
         call = LayerCall(layer, stored, [None] * len(leaves))
         forward_pass.calls.append(call)
         forward_pass.pending += len(needing)
+        if len(needing) > 1:
+            # One output may be computed from another inside the layer (LSTMCell's h from its c):
+            # a hook on that output would see the gradient that flows back through the layer's own
+            # use of it as well, and the replay, which differentiates every output, would count it
+            # twice. The caller gets aliases instead, so each hook sees only the gradient from
+            # outside the layer (the cotangent the replay needs).
+            leaves = [leaf.view_as(leaf) if index in needing else leaf for index, leaf in enumerate(leaves)]
+            output = optree.tree_unflatten(optree.tree_structure(output), leaves)
         for index in needing:
             leaves[index].register_hook(partial(self._receive_grad, forward_pass, call, index))
+        return output if len(needing) > 1 else None
 
     def _receive_grad(self, forward_pass: _ForwardPass, call: LayerCall, index: int, grad: torch.Tensor):
         if forward_pass not in self._open:
