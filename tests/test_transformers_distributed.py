@@ -10,6 +10,8 @@ explicit replay choice ends on the uninterrupted run's parameters.
 
 from __future__ import annotations
 
+import os
+import pathlib
 import socket
 
 import pytest
@@ -74,3 +76,25 @@ def test_a_sharded_model_is_saved_whole_by_the_main_process(ranks, tmp_path_fact
             assert torch.equal(loaded[name], value), name
     assert len(loaded) >= len(ranks[0]["fsdp"]["params"]) - 1
     assert (saved.parent / "out" / "checkpoint-3" / "model.safetensors").is_file()
+
+
+def test_accelerate_launch_with_fsdp_shards_and_trains_the_one_process_run(single, tmp_path):
+    """The real launcher (``accelerate launch --num_processes 2 --use_fsdp``), not its variables
+    set by hand: DPTrainer reads them, shards the model and trains what one process trains."""
+    import shutil
+    import subprocess
+    import sys
+
+    launcher = shutil.which("accelerate", path=str(pathlib.Path(sys.executable).parent))
+    if launcher is None:
+        pytest.skip("accelerate's launcher is not installed")
+    out = tmp_path / "rank0.pt"
+    script = pathlib.Path(__file__).resolve().parent / "accelerate_launch_script.py"
+    done = subprocess.run([launcher, "launch", "--num_processes", "2", "--use_fsdp", "--fsdp_version", "2",
+                           "--fsdp_transformer_layer_cls_to_wrap", "GPT2Block", "--main_process_port",
+                           str(_free_port()), str(script), str(out)],
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = torch.load(out, weights_only=False)
+    assert result["sharded"] and result["steps"] == single["steps"] and result["epsilon"] == single["epsilon"]
+    assert _relative(result["params"], single["params"]) < 1e-5
