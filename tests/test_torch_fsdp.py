@@ -97,3 +97,10 @@ def test_ranks_that_disagree_are_refused_on_every_rank(ranks):
                                                       "backward pass")
         else:
             assert refusals["failed_step"].startswith("RankDisagreementError: rank(s) [1] refused step")
+
+
+def test_a_sharded_run_resumes_from_each_ranks_checkpoint_with_replay(ranks):
+    for result in ranks:
+        assert result["resume"]["steps"] == 4
+        for name, value in result["resume"]["uninterrupted"].items():
+            assert torch.equal(result["resume"]["resumed"][name], value), name

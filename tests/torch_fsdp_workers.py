@@ -214,6 +214,43 @@ def bucketed_reduction(rank: int, world_size: int) -> dict:
     return {"shards": shards, "reference": reference, "handed_over": handed_over}
 
 
+def sharded_resume(rank: int, out_dir: str) -> dict:
+    """A sharded run checkpointed after 2 of 4 steps (each rank saves ``private.state_dict()``:
+    its shards of the model and optimizer state and its part of the noise state) and resumed in a
+    new run with the replay choice ends on the uninterrupted run's parameters."""
+    from torch.distributed.fsdp import fully_shard
+
+    def build():
+        model = hf_model("llama", False)
+        for block in blocks(model, "llama", False):
+            fully_shard(block)
+        fully_shard(model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return model, make_private(module=model, optimizer=optimizer, dataset=Tokens(), batch_size=4, epochs=1,
+                                       noise_multiplier=1.0, target_delta=1e-5, max_grad_norm=1.0, key=key(5))
+
+    def steps(model, private, count, checkpoint=None):
+        for step, batch in enumerate(private.run_data_loader()):
+            private.optimizer.zero_grad()
+            model(**batch).loss.backward()
+            private.optimizer.step()
+            if checkpoint is not None and step + 1 == checkpoint:
+                torch.save(private.state_dict(), os.path.join(out_dir, f"private-rank{rank}.pt"))
+            if step + 1 == count:
+                break
+        return {name: p.full_tensor().detach().clone() for name, p in model.named_parameters()}
+
+    model, private = build()
+    uninterrupted = steps(model, private, 4, checkpoint=2)
+    model, private = build()
+    private.load_state_dict(torch.load(os.path.join(out_dir, f"private-rank{rank}.pt"), weights_only=True),
+                            draws="replay")
+    resumed = steps(model, private, 2)
+    return {"uninterrupted": uninterrupted, "resumed": resumed, "steps": private.steps_taken}
+
+
 def worker(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
     torch.set_num_threads(1)
     os.environ["OMP_NUM_THREADS"] = "1"
@@ -223,6 +260,7 @@ def worker(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
         results["llama-full-bf16"] = train_hf("llama", False, shard=True, bf16=True)
         results["llama-small-batches"] = train_hf("llama", False, shard=True, batch_size=2)
         results["buckets"] = bucketed_reduction(rank, world_size)
+        results["resume"] = sharded_resume(rank, out_dir)
         results["refusals"] = _refusals(rank, world_size)
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
