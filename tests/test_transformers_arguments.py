@@ -224,11 +224,12 @@ def test_accelerate_launch_fsdp_offloading_is_refused_by_the_fsdp_config_row():
 
 def test_fsdp_with_resumable_checkpoints_is_refused_with_the_two_ways_out(tmp_path):
     """Trainer cannot checkpoint the optimizer state of a model DPTrainer shards (transformers
-    refuses such a run in its own words); the refusal names save_only_model and save_strategy."""
+    refuses such a run in its own words); the refusal names save_only_model (with which DPTrainer
+    checkpoints and resumes the sharded run itself) and save_strategy."""
     def arguments(**changes):
         return transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], fsdp=True, **changes)
 
-    with pytest.raises(UnsupportedTrainingArgumentError, match="save_only_model=True .* or save_strategy='no'"):
+    with pytest.raises(UnsupportedTrainingArgumentError, match="pass save_only_model=True.*resumes.*save_strategy='no'"):
         check_arguments(arguments())  # Trainer's default: a checkpoint every 500 steps
     check_arguments(arguments(save_only_model=True))
     check_arguments(arguments(save_strategy="no"))

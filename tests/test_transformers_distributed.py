@@ -58,6 +58,11 @@ def test_dp_trainer_on_two_ranks_is_the_one_process_run(ranks, single, mode):
 
 def test_each_rank_checkpoints_its_noise_state_and_resumes_with_replay(ranks):
     for rank, result in enumerate(ranks):
+        # sharded (save_only_model): each rank's shards of model and optimizer state, its noise state
+        # and the scheduler in its own file, the whole model beside them
+        assert result["fsdp"]["files"] == result["replicated"]["files"]
+        assert result["fsdp_resumed"]["steps"] == result["fsdp"]["steps"]
+        assert _relative(result["fsdp_resumed"]["params"], result["fsdp"]["params"]) == 0.0
         assert result["replicated"]["files"] == sorted(f"opake_private-rank{r}-of-{WORLD_SIZE}.pt"
                                                       for r in range(WORLD_SIZE) for _ in ("checkpoint-3", "checkpoint-6"))
         assert result["resumed"]["steps"] == result["replicated"]["steps"]

@@ -55,6 +55,7 @@ def worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
         "fsdp": train(out / "fsdp", world_size, fsdp=True, save_steps=3),
     }
     results["resumed"] = train(out / "resumed", world_size, resume=out / "replicated" / "out" / "checkpoint-3")
+    results["fsdp_resumed"] = train(out / "fsdp_resumed", world_size, fsdp=True, resume=out / "fsdp" / "out" / "checkpoint-3")
     # accelerate launch --use_fsdp: no TrainingArguments(fsdp=...), only accelerate's environment
     os.environ.update(ACCELERATE_USE_FSDP="true", FSDP_VERSION="2", FSDP_AUTO_WRAP_POLICY="TRANSFORMER_BASED_WRAP",
                       FSDP_TRANSFORMER_CLS_TO_WRAP="GPT2Block", FSDP_RESHARD_AFTER_FORWARD="true")

@@ -410,9 +410,9 @@ def _combinations(args, fsdp=None, activation_checkpointing=None) -> list[str]:
     if fsdp and _plain(getattr(args, "save_strategy", "no")) != "no" and not getattr(args, "save_only_model", False):
         return ["TrainingArguments fsdp with save_strategy=" + repr(_plain(args.save_strategy)) + " and "
                 "save_only_model=False: Trainer cannot checkpoint the optimizer state of a model DPTrainer shards "
-                "itself (transformers refuses to resume such a run), so a checkpoint could not resume it; pass "
-                "save_only_model=True (the weights and each rank's noise state, not resumable) or "
-                "save_strategy='no'"]
+                "itself (transformers refuses such a run); pass save_only_model=True: DPTrainer then writes the "
+                "whole model and, per rank, its shards of the model and optimizer state, its part of the noise "
+                "state and the scheduler's state, and the run resumes from them (or save_strategy='no')"]
     return []
 
 

@@ -124,12 +124,35 @@ class _PrivateCheckpoint(TrainerCallback):
 
     def __init__(self, private):
         self.private = private
+        self.scheduler_state = None  # a sharded run's, read from its checkpoint until Trainer builds the scheduler
 
-    def on_save(self, args, state, control, **kwargs):
-        if not args.save_only_model:  # every rank: each holds its own part of the noise state
+    def on_save(self, args, state, control, lr_scheduler=None, **kwargs):
+        # A sharded run checkpoints with save_only_model (Trainer cannot save its sharded optimizer
+        # state): each rank's file then holds its shards of the model and optimizer state too, and
+        # the scheduler's state, which Trainer does not save.
+        sharded = _is_sharded(self.private.module)
+        if not args.save_only_model or sharded:  # every rank: each holds its own part of the noise state
             folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
             os.makedirs(folder, exist_ok=True)
-            torch.save(self.private.state_dict(), os.path.join(folder, checkpoint_name(args)))
+            saved = self.private.state_dict()
+            if sharded and lr_scheduler is not None:
+                saved["lr_scheduler"] = lr_scheduler.state_dict()
+            torch.save(saved, os.path.join(folder, checkpoint_name(args)))
+
+    def on_train_begin(self, args, state, control, lr_scheduler=None, **kwargs):
+        if self.scheduler_state is not None and lr_scheduler is not None:
+            lr_scheduler.load_state_dict(self.scheduler_state)
+            # Building the scheduler set the optimizer's rates to the first step's; a loaded
+            # scheduler sets them only at its next step, after the resumed run's first update.
+            for group, rate in zip(lr_scheduler.optimizer.param_groups, lr_scheduler.get_last_lr()):
+                group["lr"] = rate
+            self.scheduler_state = None
+
+
+def _is_sharded(module) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in module.parameters())
 
 
 def checkpoint_name(args) -> str:
@@ -213,7 +236,8 @@ class PrivateTrainerMixin:
         self.optimizer = self.private.optimizer
         self._resumed_from = None  # the checkpoint folder train() resumes from, until its loader exists
         self.add_callback(_EpochOfPlan(self.private.plan.steps_per_epoch))
-        self.add_callback(_PrivateCheckpoint(self.private))
+        self._private_checkpoint = _PrivateCheckpoint(self.private)
+        self.add_callback(self._private_checkpoint)
 
     def default_arguments(self) -> transformers.TrainingArguments:
         """The arguments used when ``args=None`` (Trainer's default: ``output_dir="tmp_trainer"``)."""
@@ -407,6 +431,7 @@ class PrivateTrainerMixin:
                 f"{folder} has no {CHECKPOINT_NAME}: it was not saved by a DPTrainer, or with save_only_model=True; "
                 f"a private run resumes only with its noise state")
         state = torch.load(path, weights_only=True, map_location="cpu")
+        self._private_checkpoint.scheduler_state = state.pop("lr_scheduler", None)  # a sharded run's
         self.private.load_state_dict(state, draws=draws, fresh_key=fresh_key)
         trainer_state = transformers.TrainerState.load_from_json(os.path.join(folder, _TRAINER_STATE))
         if trainer_state.global_step != self.private.steps_taken:
@@ -496,11 +521,27 @@ def _fully_shard(model, args) -> None:
     for layer in layers:
         fully_shard(layer, reshard_after_forward=reshard)
     fully_shard(model, reshard_after_forward=reshard)
+    model.register_load_state_dict_pre_hook(_shard_whole_tensors)
     for module in model.modules():  # transformers' models keep the flag behind a read-only property
         if isinstance(getattr(type(module), "is_distributed_loading_by_transformers", None), property):
             module._is_distributed_loading_by_transformers = True
     if not getattr(model, "is_distributed_loading_by_transformers", False):
         model.is_distributed_loading_by_transformers = True
+
+
+def _shard_whole_tensors(module, state_dict, prefix, *args) -> None:
+    """Let a model DPTrainer sharded load a whole state dict (what ``save_model`` writes, and what
+    Trainer loads when it resumes): each rank keeps its own rows of each whole tensor (no
+    communication: every rank read the same file). A resumed run then loads its rank's shards
+    from the private checkpoint, which hold the same values."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    current = module.state_dict()
+    for name, value in list(state_dict.items()):
+        target = current.get(name[len(prefix):])
+        if isinstance(target, DTensor) and not isinstance(value, DTensor) and tuple(value.shape) == tuple(target.shape):
+            state_dict[name] = distribute_tensor(value.to(device=target.device, dtype=target.dtype),
+                                                 target.device_mesh, target.placements, src_data_rank=None)
 
 
 def _without_gradient_sync(model):
