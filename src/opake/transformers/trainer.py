@@ -120,7 +120,8 @@ class _EpochOfPlan(TrainerCallback):
 class _PrivateCheckpoint(TrainerCallback):
     """Writes the private run's state (``opake_private.pt``, one file per rank under
     torch.distributed) into each checkpoint folder Trainer saves with its optimizer (not with
-    ``save_only_model``)."""
+    ``save_only_model``, except for a sharded run, which checkpoints only that way: its file then
+    carries the scheduler's state too, restored when training begins)."""
 
     def __init__(self, private):
         self.private = private
