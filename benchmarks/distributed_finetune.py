@@ -143,6 +143,7 @@ def worker(rank: int, world_size: int, modes: list, size: dict, steps: int, devi
             results[mode] = everyone
         if rank == 0:
             Path(out).write_text(json.dumps(results))
+        dist.barrier()  # no rank tears gloo down while another still talks to it
     finally:
         dist.destroy_process_group()
 

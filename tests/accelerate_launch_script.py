@@ -17,3 +17,7 @@ if __name__ == "__main__":
     result = workers.train(out.parent / "launched", world_size=2)  # one output folder, as under torchrun
     if torch.distributed.get_rank() == 0:
         torch.save(result, out)
+    # Trainer leaves the process group open; gloo's threads torn down at interpreter exit can
+    # abort a rank ("terminate called without an active exception"), so close it first.
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()

@@ -61,3 +61,5 @@ def worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
                       FSDP_TRANSFORMER_CLS_TO_WRAP="GPT2Block", FSDP_RESHARD_AFTER_FORWARD="true")
     results["accelerate_fsdp"] = train(out / "accelerate_fsdp", world_size)
     torch.save(results, out / f"rank{rank}.pt")
+    torch.distributed.barrier()  # Trainer leaves the process group open: close it before the process exits
+    torch.distributed.destroy_process_group()
