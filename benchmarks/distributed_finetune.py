@@ -75,8 +75,9 @@ class Tokens(torch.utils.data.Dataset):
         return {"input_ids": self.ids[index], "labels": self.ids[index]}
 
 
-def state_bytes(model, optimizer, noise_state) -> int:
-    """Bytes this rank holds of parameters, optimizer state and noise state (local shards only)."""
+def state_bytes(model, optimizer, noise_state=None) -> int:
+    """Bytes this rank holds of parameters, optimizer state and noise state (local shards only;
+    the Opacus peer has no noise state)."""
     def local(tensor):
         return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
@@ -84,7 +85,24 @@ def state_bytes(model, optimizer, noise_state) -> int:
     for state in optimizer.state.values():
         total += sum(local(v).numel() * v.element_size() for v in state.values()
                      if isinstance(v, torch.Tensor) and v.dim() > 0)
-    return total + noise_state.buffers.numel() * noise_state.buffers.element_size()
+    if noise_state is not None:
+        total += noise_state.buffers.numel() * noise_state.buffers.element_size()
+    return total
+
+
+def timed_steps(meter, batches, one_step, steps: int) -> float:
+    """Median seconds of ``one_step(batch)`` over ``steps`` batches after ``WARMUP`` (the first
+    step's checks included there); the measured steps run inside ``meter``."""
+    times = []
+    for step in range(WARMUP + steps):
+        batch = next(batches)
+        start = time.perf_counter()
+        if step < WARMUP:
+            one_step(batch)
+        else:
+            meter.step(lambda: one_step(batch))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[WARMUP:])
 
 
 def run(mode: str, size: dict, steps: int, device: str) -> dict:
@@ -106,25 +124,16 @@ def run(mode: str, size: dict, steps: int, device: str) -> dict:
             warnings.simplefilter("ignore")
             private = make_private(module=model, optimizer=optimizer, dataset=Tokens(size), batch_size=size["batch"],
                                    epochs=1, noise_multiplier=1.0, target_delta=1e-5, max_grad_norm=1.0, key=key(0))
-        times = []
-        batches = iter(private.run_data_loader())
-        for step in range(WARMUP + steps):
-            batch = {name: value.to(device) for name, value in next(batches).items()}
+        batches = ({name: value.to(device) for name, value in batch.items()} for batch in private.run_data_loader())
 
-            def one_step():
-                private.optimizer.zero_grad()
-                model(**batch).loss.backward()
-                private.optimizer.step()
-                sync()
+        def one_step(batch):
+            private.optimizer.zero_grad()
+            model(**batch).loss.backward()
+            private.optimizer.step()
+            sync()
 
-            start = time.perf_counter()
-            if step < WARMUP:
-                one_step()
-            else:
-                meter.step(one_step)
-            times.append(time.perf_counter() - start)
-    return {"step": statistics.median(times[WARMUP:]), "peak": meter.peak,
-            "state": state_bytes(model, optimizer, private.optimizer.noise_state)}
+        seconds = timed_steps(meter, batches, one_step, steps)
+    return {"step": seconds, "peak": meter.peak, "state": state_bytes(model, optimizer, private.optimizer.noise_state)}
 
 
 def worker(rank: int, world_size: int, modes: list, size: dict, steps: int, device: str, init: str, out: str):

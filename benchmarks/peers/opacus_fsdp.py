@@ -16,10 +16,8 @@ no noise state); rank 0 prints one JSON line, a list with one entry per rank, or
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
-import time
 import traceback
 from pathlib import Path
 
@@ -28,7 +26,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from distributed_finetune import WARMUP, Tokens, build_model  # noqa: E402
+from distributed_finetune import Tokens, build_model, state_bytes, timed_steps  # noqa: E402
 from finetune_step import LiveMemory  # noqa: E402
 
 
@@ -65,35 +63,16 @@ def run(size: dict, steps: int, device: str) -> dict:
         model, optimizer, criterion, loader = engine.make_private(
             module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0,
             grad_sample_mode="ghost_fsdp", criterion=TokenCrossEntropy(), poisson_sampling=False)
-        batches = iter(loader)
-        times = []
-        for step in range(WARMUP + steps):
-            batch = next(batches)
-            ids = batch["input_ids"].to(device)
+        batches = (batch["input_ids"].to(device) for batch in loader)
 
-            def one_step():
-                optimizer.zero_grad()
-                logits = model(input_ids=ids).logits
-                loss = criterion(logits, ids)
-                loss.backward()
-                optimizer.step()
-                sync()
+        def one_step(ids):
+            optimizer.zero_grad()
+            criterion(model(input_ids=ids).logits, ids).backward()
+            optimizer.step()
+            sync()
 
-            start = time.perf_counter()
-            if step < WARMUP:
-                one_step()
-            else:
-                meter.step(one_step)
-            times.append(time.perf_counter() - start)
-
-    def local(tensor):
-        return tensor.to_local() if hasattr(tensor, "to_local") else tensor
-
-    state = sum(local(p).numel() * p.element_size() for p in model.parameters())
-    for values in optimizer.original_optimizer.state.values():
-        state += sum(local(v).numel() * v.element_size() for v in values.values()
-                     if isinstance(v, torch.Tensor) and v.dim() > 0)
-    return {"step": statistics.median(times[WARMUP:]), "peak": meter.peak, "state": state}
+        seconds = timed_steps(meter, batches, one_step, steps)
+    return {"step": seconds, "peak": meter.peak, "state": state_bytes(model, optimizer.original_optimizer)}
 
 
 def worker(rank, world_size, size, steps, device, init, out):

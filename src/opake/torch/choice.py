@@ -52,13 +52,11 @@ from opake.accounting.calibrate import calibrate_capped
 from opake.dpftrl.accounting import mf_gaussian, poisson
 from opake.dpftrl.accounting.accountant import balls_in_bins_accountant, poisson_accountant
 from opake.dpftrl.accounting.allocation.lower_bound import noise_multiplier_lower_bound
+from opake.dpftrl.accounting.band_choice import (PLD_DISCRETIZATION, BandCandidate, DatasetRun, band_candidates,
+                                                 coarse_band_candidate, falling_log_slope, refine_band_candidate)
 from opake.dpftrl.accounting.methods import AccountingMethod
-from opake.dpftrl.accounting.band_choice import (CHOICE_DISCRETIZATION, PLD_DISCRETIZATION, BandCandidate,
-                                                 band_candidates, refine_band_candidate)
-from opake.dpftrl.accounting.poisson import banded_column_norm, noise_multiplier_guess
 from opake.dpftrl.noise import blt_strategy, identity_strategy
 from opake.progress import Progress
-from opake.dpftrl.sampling import steps_per_epoch_of
 from opake.torch.workload import Workload, strategy_for_optimizer, workload_of
 
 __all__ = ["MAX_STATE_ROWS", "Candidate", "MechanismChoice", "choose_mechanism"]
@@ -187,17 +185,13 @@ def choose_mechanism(
     combination opake cannot price (Poisson with a BLT) raises ``ValueError`` saying what to use.
     """
     started = time.perf_counter()
-    batch_size = integer_at_least("batch_size", batch_size)
-    epochs = integer_at_least("epochs", epochs)
-    num_examples = integer_at_least("num_examples", num_examples)
-    num_bins = steps_per_epoch_of(num_examples, batch_size)
+    run = DatasetRun(num_examples, batch_size, epochs)
     budget = acc.epsilon_budget(target_epsilon, target_delta)
     if sampling is not None and sampling not in _SAMPLINGS:
         raise ValueError(f"sampling must be None (any), or one of {_SAMPLINGS}, got {sampling!r}")
     kinds = _kinds(strategy, sampling)
     if max_state_rows is not None:
-        max_state_rows = _state_rows(max_state_rows)
-    run = _Run(num_examples, batch_size, epochs, num_bins, epochs * num_bins)
+        max_state_rows = integer_at_least("max_state_rows", max_state_rows, minimum=0)
     recipe = blt_strategy() if optimizer is None else strategy_for_optimizer(optimizer, run.n_steps, lr_scheduler)
     workload = workload_of(recipe)
     progress = Progress.of(progress)
@@ -218,15 +212,6 @@ def choose_mechanism(
         progress.close()
     return MechanismChoice(chosen, tuple(candidates), workload, budget.epsilon, budget.delta, epsilon,
                            time.perf_counter() - started)
-
-
-@dataclass(frozen=True)
-class _Run:
-    num_examples: int
-    batch_size: int
-    epochs: int
-    num_bins: int    # steps per epoch: balls-in-bins bins, and len(dataset) // batch_size for Poisson
-    n_steps: int
 
 
 # -- which candidates ------------------------------------------------------------------------------
@@ -251,7 +236,7 @@ def _kinds(strategy, sampling) -> set:
 
 # -- the candidates --------------------------------------------------------------------------------
 
-def _blt_candidate(run: _Run, budget, workload, strategy, progress) -> Candidate:
+def _blt_candidate(run: DatasetRun, budget, workload, strategy, progress) -> Candidate:
     accountant = balls_in_bins_accountant(strategy, run.num_bins, run.n_steps, AccountingMethod.RIGOROUS)
     with progress.stage("BLT on balls in bins: resolving and calibrating (unamplified)"):
         result = acc.calibrate(budget, accountant, *_SIGMA_RANGE)
@@ -261,7 +246,7 @@ def _blt_candidate(run: _Run, budget, workload, strategy, progress) -> Candidate
                      f"{mechanism.num_buffers} buffer(s), unamplified bound")
 
 
-def _poisson_candidates(run: _Run, budget, workload, kinds, strategy, max_state_rows, progress) -> list:
+def _poisson_candidates(run: DatasetRun, budget, workload, kinds, strategy, max_state_rows, progress) -> list:
     """DP-SGD with Poisson sampling and the BandMF (2+ bands) with the least workload error, at the
     coarse grid's noise multipliers (the chosen one is calibrated again on the plan's grid)."""
     if not kinds & {"poisson", "bandmf"}:
@@ -270,7 +255,8 @@ def _poisson_candidates(run: _Run, budget, workload, kinds, strategy, max_state_
         rows = band_candidates(run.num_examples, run.batch_size, run.epochs, budget.epsilon, budget.delta,
                                max_bands=None if max_state_rows is None else max_state_rows + 1, progress=progress)
     else:
-        rows = (_coarse_band_candidate(strategy, run, budget, progress),)
+        rows = (coarse_band_candidate(run.num_examples, run.batch_size, run.epochs, budget.epsilon, budget.delta,
+                                      strategy, progress=progress),)
     ranked = [(row, workload.rmse(row.noise_multiplier, _mechanism(row, run).inverse_coefficients(run.n_steps)))
               for row in rows]
     candidates = []
@@ -286,34 +272,8 @@ def _poisson_candidates(run: _Run, budget, workload, kinds, strategy, max_state_
     return candidates
 
 
-def _state_rows(value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"max_state_rows must be None or an integer >= 0 (floats per parameter), got {value!r}")
-    return value
-
-
-def _mechanism(row: BandCandidate, run: _Run):
+def _mechanism(row: BandCandidate, run: DatasetRun):
     return row.strategy.resolve(run.n_steps, row.bands, -(-run.n_steps // row.bands))
-
-
-def _coarse_band_candidate(strategy, run: _Run, budget, progress) -> BandCandidate:
-    """The caller's banded strategy calibrated on the coarse grid, as the rule's candidates are."""
-    bands = int(strategy.bands)
-    if run.batch_size * bands > run.num_examples:
-        raise ValueError(f"{bands} bands with batch_size={run.batch_size} need a sample rate "
-                         f"{run.batch_size * bands}/{run.num_examples} > 1; use at most "
-                         f"{run.num_examples // run.batch_size} bands")
-    rate = run.batch_size * bands / run.num_examples
-    compositions = -(-run.n_steps // bands)
-    mechanism = strategy.resolve(run.n_steps, bands, compositions)
-    guess = noise_multiplier_guess(rate, compositions, banded_column_norm(mechanism), budget)
-    points = []
-    with progress.stage(f"{bands} band(s): calibrating on the coarse PLD grid"):
-        result = acc.calibrate_near(
-            budget, lambda sigma: poisson(mf_gaussian(sigma, strategy), rate, run.n_steps,
-                                          value_discretization_interval=CHOICE_DISCRETIZATION),
-            guess, *_SIGMA_RANGE, rtol=1e-3, epsilon_rtol=1e-3, on_evaluation=lambda s, e: points.append((s, e)))
-    return BandCandidate(bands, strategy, rate, result.param, math.nan, tuple(points))
 
 
 def _poisson_candidate(name: str, row: BandCandidate, error: float, note: str) -> Candidate:
@@ -321,7 +281,7 @@ def _poisson_candidate(name: str, row: BandCandidate, error: float, note: str) -
                      error, note, sample_rate=row.sample_rate, band_candidate=row)
 
 
-def _bins_candidate(run: _Run, budget, workload, best_error: float, progress) -> Candidate:
+def _bins_candidate(run: DatasetRun, budget, workload, best_error: float, progress) -> Candidate:
     """DP-SGD on balls in bins: a lower bound on its noise multiplier first, its PLD only if it could win."""
     strategy = identity_strategy()
     name, method = "DP-SGD, balls in bins", AccountingMethod.ALLOCATION_PLD.value
@@ -342,14 +302,14 @@ def _bins_candidate(run: _Run, budget, workload, best_error: float, progress) ->
 
 # -- the chosen one on the plan's own accountant -----------------------------------------------
 
-def _plan_accountant(candidate: Candidate, run: _Run):
+def _plan_accountant(candidate: Candidate, run: DatasetRun):
     """The accountant ``make_private`` builds for this candidate (same strategy, horizon and rate)."""
     if candidate.sampling == "poisson":
         return poisson_accountant(candidate.strategy, candidate.sample_rate, run.n_steps)
     return balls_in_bins_accountant(candidate.strategy, run.num_bins, run.n_steps, candidate.accounting)
 
 
-def _on_the_plans_grid(candidate: Candidate, run: _Run, budget, workload, progress) -> Candidate:
+def _on_the_plans_grid(candidate: Candidate, run: DatasetRun, budget, workload, progress) -> Candidate:
     """A Poisson candidate's noise multiplier on the rows' grid (1e-3, as ``opake.plan``'s rows),
     then on the plan's own (``poisson``'s default, 1e-4) from there, along the 1e-3 grid's slope:
     one to three evaluations where a calibration from scratch takes about ten."""
@@ -369,12 +329,9 @@ def _on_the_plans_grid(candidate: Candidate, run: _Run, budget, workload, progre
                      band_candidate=candidate.band_candidate)
 
 
-def _slope(candidate: Candidate, refined, run: _Run, budget) -> float | None:
+def _slope(candidate: Candidate, refined, run: DatasetRun, budget) -> float | None:
     """d ln epsilon / d ln sigma on the 1e-3 grid over the 1% below its answer (one cheap evaluation)."""
     lower = 0.99 * refined.param
     other = poisson(mf_gaussian(lower, candidate.strategy), candidate.sample_rate, run.n_steps,
                     value_discretization_interval=PLD_DISCRETIZATION).epsilon_at(budget.delta)
-    if not (0.0 < other < math.inf and 0.0 < refined.epsilon < math.inf):
-        return None
-    slope = (math.log(other) - math.log(refined.epsilon)) / math.log(lower / refined.param)
-    return slope if math.isfinite(slope) and slope < 0.0 else None
+    return falling_log_slope(lower, other, refined.param, refined.epsilon)

@@ -180,6 +180,12 @@ class PrivateTraining:
     def steps_taken(self) -> int:
         return self.run.step
 
+    @property
+    def sharded(self) -> bool:
+        """Whether the module is sharded (FSDP2): each rank holds its shards of the parameters, the
+        optimizer state and the noise state, and ``state_dict()`` is this rank's part of the run."""
+        return isinstance(self.optimizer.reduction, Sharded)
+
     def state_dict(self) -> dict:
         """Model, optimizer, noise state, step and key: ``torch.save`` it, load with weights_only=True."""
         return {"format": FORMAT, "version": VERSION, "key": self.plan.key.hex(), "plan": plan_record(self.plan),

@@ -27,7 +27,7 @@ import numpy as np
 import optree
 import torch
 
-from opake.dpftrl.noise.distributed.agreement import RankDisagreementError
+from opake.dpftrl.noise.distributed.agreement import RankDisagreementError, disagreements
 from opake.random import RngKey, key as make_key
 
 __all__ = ["RankDisagreementError", "agree", "broadcast_module", "dataset_digest", "rank_and_world", "shared_key"]
@@ -95,12 +95,7 @@ def agree(process_group, world_size: int, failure: BaseException | None = None, 
             "rank(s) " + ", ".join(f"{rank} ({message})" for rank, message in failed.items())
             + " refused the private run; this rank stops with them. Nothing was trained"
         )
-    for item in shared:
-        groups: dict = {}
-        for rank, values in enumerate(everyone):
-            groups.setdefault(repr(values.get(item)), []).append(rank)
-        if len(groups) < 2:
-            continue
+    for item, groups in disagreements(everyone, shared).items():
         seen = "; ".join(f"ranks {ranks}: {value}" for value, ranks in groups.items())
         if item == "dataset":
             raise RankDisagreementError(

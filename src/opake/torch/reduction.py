@@ -217,19 +217,24 @@ class Sharded(_Group):
 
     def _columns(self, tensor: torch.Tensor) -> int:
         """Elements of each rank's chunk of ``tensor``: ceil(rows / world_size) rows, padded."""
-        rows = tensor.shape[0] if tensor.dim() else 1
-        return -(-rows // self.world_size) * _row_elements(tensor)
+        return _rows(tensor, self.world_size)[1] * _row_elements(tensor)
 
     def _write_chunks(self, tensor: torch.Tensor, block: torch.Tensor) -> None:
         """Rank r's rows of ``tensor`` into row r of ``block`` (world_size, chunk elements), zeros
         after its last row (the padding of the last ranks' chunks, which the result leaves out)."""
-        rows = tensor.shape[0] if tensor.dim() else 1
-        per_rank = -(-rows // self.world_size)
+        rows, per_rank = _rows(tensor, self.world_size)
         flat = tensor.reshape(rows, _row_elements(tensor))
         for rank, chunk in enumerate(block.view(self.world_size, per_rank, flat.shape[1])):
             part = flat[rank * per_rank:(rank + 1) * per_rank]
             chunk[:len(part)].copy_(part)
             chunk[len(part):].zero_()
+
+
+def _rows(tensor, world_size: int) -> tuple[int, int]:
+    """(rows, rows per rank) of fully_shard's dim-0 split: ceil(rows / world_size) each, the last
+    ranks' chunks short or empty (a 0-d tensor is one row)."""
+    rows = tensor.shape[0] if tensor.dim() else 1
+    return rows, -(-rows // world_size)
 
 
 def _row_elements(tensor) -> int:
@@ -252,8 +257,7 @@ def _shard_rows(name: str, parameter, rank: int, world_size: int) -> tuple[int, 
             f"make_private supports fully_shard's dim-0 sharding on a 1-D mesh (FSDP2 without HSDP or tensor "
             f"parallelism)"
         )
-    rows = parameter.shape[0] if parameter.dim() else 1
-    per_rank = -(-rows // world_size)
+    rows, per_rank = _rows(parameter, world_size)
     start, stop = min(rows, rank * per_rank), min(rows, (rank + 1) * per_rank)
     local_rows = parameter.to_local().shape[0] if parameter.dim() else 1
     if local_rows != stop - start:

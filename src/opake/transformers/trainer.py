@@ -131,7 +131,7 @@ class _PrivateCheckpoint(TrainerCallback):
         # A sharded run checkpoints with save_only_model (Trainer cannot save its sharded optimizer
         # state): each rank's file then holds its shards of the model and optimizer state too, and
         # the scheduler's state, which Trainer does not save.
-        sharded = _is_sharded(self.private.module)
+        sharded = self.private.sharded
         if not args.save_only_model or sharded:  # every rank: each holds its own part of the noise state
             folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
             os.makedirs(folder, exist_ok=True)
@@ -148,12 +148,6 @@ class _PrivateCheckpoint(TrainerCallback):
             for group, rate in zip(lr_scheduler.optimizer.param_groups, lr_scheduler.get_last_lr()):
                 group["lr"] = rate
             self.scheduler_state = None
-
-
-def _is_sharded(module) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return any(isinstance(p, DTensor) for p in module.parameters())
 
 
 def checkpoint_name(args) -> str:
@@ -329,7 +323,7 @@ class PrivateTrainerMixin:
         """``(micro-batch, is_placeholder)`` pairs of one planned batch of ``size`` examples: whole
         users together with privacy units, lockstep parts on a sharded model."""
         run = self.private.run
-        if run.batches.placeholder:  # sharded: every rank runs the same passes (FSDP's collectives)
+        if self.private.sharded:  # every rank runs the same passes (FSDP's collectives)
             return self._lockstep_parts(inputs, size)
         units = None if run.state.served is None else run.batches.units(run.state.served)
         parts = (micro_batches(inputs, size, self.micro_batch_size) if units is None
@@ -373,10 +367,10 @@ class PrivateTrainerMixin:
         do) and the main process writes one ``save_pretrained`` folder, loadable in one process."""
         from torch.distributed.tensor import DTensor
 
-        state = self.model.state_dict()
-        if not any(isinstance(value, DTensor) for value in state.values()):
+        if not self.private.sharded:
             return super().save_model(output_dir, _internal_call=_internal_call)
-        whole = {name: value.full_tensor() if isinstance(value, DTensor) else value for name, value in state.items()}
+        whole = {name: value.full_tensor() if isinstance(value, DTensor) else value
+                 for name, value in self.model.state_dict().items()}
         output_dir = self.args.output_dir if output_dir is None else output_dir
         if self.args.should_save:
             os.makedirs(output_dir, exist_ok=True)

@@ -13,9 +13,9 @@ neither.
 from __future__ import annotations
 
 import math
-import numbers
 from dataclasses import dataclass
 
+from opake._checks import integer_at_least
 from opake.accounting import calibrate_near, epsilon_budget
 from opake.dpftrl.accounting.gaussian import mf_gaussian
 from opake.dpftrl.accounting.poisson import banded_column_norm, noise_multiplier_guess, poisson
@@ -24,7 +24,7 @@ from opake.dpftrl.strategies.strategy import identity_strategy
 from opake.progress import Progress, calibration_reporter
 
 __all__ = ["CHOICE_DISCRETIZATION", "PLD_DISCRETIZATION", "BandCandidate", "DatasetRun", "band_candidates",
-           "cyclic_poisson_bands", "refine_band_candidate"]
+           "coarse_band_candidate", "cyclic_poisson_bands", "falling_log_slope", "refine_band_candidate"]
 
 _ERRORS = ("max", "mean")
 
@@ -59,12 +59,7 @@ class DatasetRun:
 
     def __post_init__(self):
         for name in ("num_examples", "batch_size", "epochs"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-                raise TypeError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
-            if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
-            object.__setattr__(self, name, int(value))
+            object.__setattr__(self, name, integer_at_least(name, getattr(self, name)))
         if self.batch_size > self.num_examples:
             raise ValueError(
                 f"batch_size ({self.batch_size}) must be <= num_examples ({self.num_examples}): a step "
@@ -191,32 +186,58 @@ def _band_candidates(run: DatasetRun, budget, error: str, progress: Progress, ma
     effective = []  # the candidates' calibrated sigma / column norm (Band23 Thm 4's sigma_eff)
     bands, correction, slope = 1, 1.0, None
     while bands <= max(1, run.num_bins // 2) and (max_bands is None or bands <= max_bands):
-        q = run.batch_size * bands / run.num_examples
         strategy = identity_strategy() if bands == 1 else band_mf_strategy(bands=bands, error=error)
-        compositions = -(-run.n_steps // bands)
-        evaluated = []
-        with progress.stage(f"choosing the bands: {bands} band(s)"):
-            mech = strategy.resolve(run.n_steps, bands, compositions)
-            norm = banded_column_norm(mech)
-            guess = noise_multiplier_guess(q, compositions, norm, budget)
-            result = calibrate_near(
-                budget,
-                lambda sigma, s=strategy, q=q: poisson(mf_gaussian(sigma, s), q, run.n_steps,
-                                                       value_discretization_interval=CHOICE_DISCRETIZATION),
-                _start(guess * correction, effective, norm), *_SIGMA_RANGE, rtol=_CHOICE_RTOL,
-                epsilon_rtol=_CHOICE_RTOL, slope=slope,
-                on_evaluation=lambda sigma, epsilon: evaluated.append((sigma, epsilon)),
-            )
+        sigma, evaluated, mech, norm, guess = _coarse_calibration(
+            run, budget, bands, strategy, progress, slope=slope,
+            start=lambda guess, norm: _start(guess * correction, effective, norm))
         # The central-limit guess errs smoothly in the bands, so the last candidate's ratio of
         # answer to guess corrects it, and the last candidate's local slope starts the search.
-        correction, slope = result.param / guess, _local_slope(evaluated, budget.epsilon) or slope
-        effective.append(result.param / norm)
-        rmse = _rmse(result.param, mech, error)
-        candidates.append((bands, result.param, rmse, tuple(evaluated)))
+        correction, slope = sigma / guess, _local_slope(evaluated, budget.epsilon) or slope
+        effective.append(sigma / norm)
+        rmse = _rmse(sigma, mech, error)
+        candidates.append((bands, sigma, rmse, evaluated))
         if rmse > min(candidate[2] for candidate in candidates):
             break  # the error has turned upward: more bands only weaken the amplification further
         bands *= 2
     return candidates
+
+
+def coarse_band_candidate(num_examples: int, batch_size: int, epochs: int, epsilon: float, delta: float,
+                          strategy, *, progress: bool | Progress | None = None) -> BandCandidate:
+    """A given banded ``strategy`` (its ``bands`` groups) calibrated on the coarse grid, as each of
+    ``band_candidates``'s rows is (``rmse`` not computed: NaN)."""
+    run = DatasetRun(num_examples, batch_size, epochs)
+    bands = int(strategy.bands)
+    if batch_size * bands > num_examples:
+        raise ValueError(f"{bands} bands with batch_size={batch_size} need a sample rate "
+                         f"{batch_size * bands}/{num_examples} > 1; use at most {run.num_bins} bands")
+    progress = Progress.of(progress)
+    try:
+        sigma, evaluated, *_ = _coarse_calibration(run, epsilon_budget(epsilon, delta), bands, strategy, progress)
+    finally:
+        progress.close()
+    return BandCandidate(bands, strategy, batch_size * bands / num_examples, sigma, math.nan, evaluated)
+
+
+def _coarse_calibration(run: DatasetRun, budget, bands: int, strategy, progress: Progress, *, slope=None,
+                        start=None) -> tuple:
+    """``strategy`` on ``bands`` cyclic Poisson groups calibrated on the coarse grid, from the
+    central-limit guess (or ``start(guess, column norm)``): (sigma, its (sigma, epsilon)
+    evaluations, the mechanism, its column norm, the guess)."""
+    rate = run.batch_size * bands / run.num_examples
+    compositions = -(-run.n_steps // bands)
+    evaluated = []
+    with progress.stage(f"choosing the bands: {bands} band(s)"):
+        mech = strategy.resolve(run.n_steps, bands, compositions)
+        norm = banded_column_norm(mech)
+        guess = noise_multiplier_guess(rate, compositions, norm, budget)
+        result = calibrate_near(
+            budget, lambda sigma: poisson(mf_gaussian(sigma, strategy), rate, run.n_steps,
+                                          value_discretization_interval=CHOICE_DISCRETIZATION),
+            guess if start is None else start(guess, norm), *_SIGMA_RANGE, rtol=_CHOICE_RTOL,
+            epsilon_rtol=_CHOICE_RTOL, slope=slope,
+            on_evaluation=lambda sigma, epsilon: evaluated.append((sigma, epsilon)))
+    return result.param, tuple(evaluated), mech, norm, guess
 
 
 def _start(corrected_guess: float, effective: list, norm: float) -> float:
@@ -241,9 +262,15 @@ def _local_slope(evaluated: list, target: float) -> float | None:
     if len(usable) < 2:
         return None
     (s1, e1), (s2, e2) = sorted(usable, key=lambda point: abs(math.log(point[1] / target)))[:2]
-    if s1 == s2:
+    return falling_log_slope(s1, e1, s2, e2)
+
+
+def falling_log_slope(sigma_a: float, epsilon_a: float, sigma_b: float, epsilon_b: float) -> float | None:
+    """d ln epsilon / d ln sigma through two evaluations: the first step of a calibration near
+    them. None unless both epsilons are finite and positive, the sigmas differ and it falls."""
+    if sigma_a == sigma_b or not (0.0 < epsilon_a < math.inf and 0.0 < epsilon_b < math.inf):
         return None
-    slope = (math.log(e1) - math.log(e2)) / (math.log(s1) - math.log(s2))
+    slope = (math.log(epsilon_a) - math.log(epsilon_b)) / (math.log(sigma_a) - math.log(sigma_b))
     return slope if math.isfinite(slope) and slope < 0.0 else None
 
 
@@ -280,10 +307,7 @@ def _refined(budget, strategy, sample_rate: float, n_steps: int, coarse_sigma: f
     else:
         other = coarse_sigma * math.exp(-0.01)
         other_epsilon = on_grid(CHOICE_DISCRETIZATION)(other).epsilon_at(budget.delta)
-    slope = None
-    if 0.0 < here < math.inf and 0.0 < other_epsilon < math.inf:
-        slope = (math.log(other_epsilon) - math.log(here)) / math.log(other / coarse_sigma)
-        slope = slope if math.isfinite(slope) and slope < 0.0 else None
+    slope = falling_log_slope(other, other_epsilon, coarse_sigma, here)
     return calibrate_near(budget, on_grid(PLD_DISCRETIZATION), coarse_sigma, *_SIGMA_RANGE, spread=1.1, rtol=_RTOL,
                           epsilon_rtol=_EPSILON_RTOL, slope=slope,
                           on_evaluation=calibration_reporter(progress, budget.epsilon))

@@ -17,8 +17,8 @@ import torch.distributed as dist
 
 from opake.errors import OpakeError
 
-__all__ = ["ProcessGroupError", "RankDisagreementError", "check_agreement", "fingerprint_components",
-           "group_rank_and_size"]
+__all__ = ["ProcessGroupError", "RankDisagreementError", "check_agreement", "disagreements",
+           "fingerprint_components", "group_rank_and_size"]
 
 
 class ProcessGroupError(OpakeError, RuntimeError):
@@ -52,14 +52,8 @@ def check_agreement(components: dict, process_group) -> None:
     mine = {name: _short_hash(value) for name, value in components.items()}
     everyone: list = [None] * dist.get_world_size(process_group)
     dist.all_gather_object(everyone, mine, group=process_group)
-    differing = []
-    for name in mine:
-        values = [other.get(name) if isinstance(other, dict) else None for other in everyone]
-        if len(set(values)) > 1:
-            groups: dict = {}
-            for rank, value in enumerate(values):
-                groups.setdefault(value, []).append(rank)
-            differing.append(f"{name} (ranks grouped by value: {sorted(groups.values())})")
+    differing = [f"{name} (ranks grouped by value: {sorted(groups.values())})"
+                 for name, groups in disagreements(everyone, mine).items()]
     if differing:
         raise RankDisagreementError(
             f"the ranks disagree on {', '.join(differing)}; every rank must build the distributed "
@@ -67,6 +61,19 @@ def check_agreement(components: dict, process_group) -> None:
             f"max_participations, noise_multiplier, key, dtype and ownership, otherwise they "
             f"would add different noise"
         )
+
+
+def disagreements(everyone: list, names) -> dict:
+    """For each of ``names`` on which the gathered dicts ``everyone`` (one per rank) differ: the
+    ranks grouped by the ``repr`` of their value (value -> ranks, in rank order)."""
+    found = {}
+    for name in names:
+        groups: dict = {}
+        for rank, values in enumerate(everyone):
+            groups.setdefault(repr(values.get(name) if isinstance(values, dict) else None), []).append(rank)
+        if len(groups) > 1:
+            found[name] = groups
+    return found
 
 
 def fingerprint_components(layout, mechanism_fingerprint: str, inverse, participation, noise_multiplier: float,
