@@ -12,9 +12,9 @@ import optree
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import distributed_workers as workers
+from spawn_support import spawn_ranks
 from opake.dpftrl.noise.distributed import (
     DistributedCheckpointError,
     ProcessGroupError,
@@ -46,7 +46,8 @@ def runs(tmp_path_factory):
     results, foreign = {}, None
     for world_size in WORLD_SIZES:
         out = tmp_path_factory.mktemp(f"world{world_size}")
-        mp.spawn(workers.worker, args=(world_size, str(out / "init"), str(out), foreign), nprocs=world_size)
+        spawn_ranks(workers.worker, (world_size, str(out / "init"), str(out), foreign), world_size,
+                    [out / f"rank{r}.pt" for r in range(world_size)])
         results[world_size] = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
         foreign = str(out / "checkpoint_rank0.pt")
     return results

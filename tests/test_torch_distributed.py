@@ -5,13 +5,14 @@ the trained parameters equal one process on the same global batches (float64).""
 from __future__ import annotations
 
 import torch
-import torch.multiprocessing as mp
 
 import torch_distributed_workers as workers
+from spawn_support import spawn_ranks
 
 
 def test_two_ranks_train_exactly_what_one_process_trains(tmp_path):
-    mp.spawn(workers.worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2)
+    spawn_ranks(workers.worker, (2, str(tmp_path / "init"), str(tmp_path)), 2,
+                [tmp_path / f"rank{r}.pt" for r in range(2)])
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     single = workers.train()
     for result in ranks:

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
 import torch_fsdp_workers as workers  # noqa: E402
+from spawn_support import spawn_ranks  # noqa: E402
 
 WORLD_SIZE = 2
 
@@ -26,7 +26,8 @@ WORLD_SIZE = 2
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     folder = tmp_path_factory.mktemp("fsdp")
-    mp.spawn(workers.worker, args=(WORLD_SIZE, str(folder / "init"), str(folder)), nprocs=WORLD_SIZE)
+    spawn_ranks(workers.worker, (WORLD_SIZE, str(folder / "init"), str(folder)), WORLD_SIZE,
+                [folder / f"rank{rank}.pt" for rank in range(WORLD_SIZE)])
     return [torch.load(folder / f"rank{rank}.pt", weights_only=False) for rank in range(WORLD_SIZE)]
 
 

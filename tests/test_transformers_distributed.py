@@ -16,11 +16,11 @@ import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 pytest.importorskip("transformers")
 
 import transformers_distributed_workers as workers  # noqa: E402
+from spawn_support import spawn_ranks  # noqa: E402
 
 WORLD_SIZE = 2
 
@@ -34,7 +34,8 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     folder = tmp_path_factory.mktemp("trainer")
-    mp.spawn(workers.worker, args=(WORLD_SIZE, _free_port(), str(folder)), nprocs=WORLD_SIZE)
+    spawn_ranks(workers.worker, (WORLD_SIZE, _free_port(), str(folder)), WORLD_SIZE,
+                [folder / f"rank{rank}.pt" for rank in range(WORLD_SIZE)])
     return [torch.load(folder / f"rank{rank}.pt", weights_only=False) for rank in range(WORLD_SIZE)]
 
 

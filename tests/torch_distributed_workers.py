@@ -56,5 +56,6 @@ def worker(rank: int, world_size: int, init_file: str, out_dir: str):
         except TypeError as error:
             result["ddp_wrapped"] = str(error)
         torch.save(result, f"{out_dir}/rank{rank}.pt")
+        dist.barrier()  # every rank has saved before any tears gloo down
     finally:
         dist.destroy_process_group()

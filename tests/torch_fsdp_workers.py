@@ -263,5 +263,6 @@ def worker(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
         results["resume"] = sharded_resume(rank, out_dir)
         results["refusals"] = _refusals(rank, world_size)
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()  # every rank has saved before any tears gloo down
     finally:
         dist.destroy_process_group()
