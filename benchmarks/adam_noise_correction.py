@@ -10,8 +10,10 @@ The task of ``opake demo`` (src/opake/demo.py): scikit-learn's bundled digits, o
 proven accountant. Two mechanisms: a BLT on balls in bins, unamplified (``make_private``'s BLT),
 whose per-step noise variance grows with t, and DP-SGD with Poisson sampling (PLD), the setting
 of the paper, whose variance is constant. Two optimizers through ``make_private``:
-``torch.optim.AdamW`` and ``opake.torch.DPAdamW`` (the same with the second moment corrected by
-each step's noise variance), no weight decay, betas (0.9, 0.999).
+``torch.optim.AdamW`` as it is (``noise_correction=False``), the same AdamW as ``make_private``
+steps it by default (its second moment corrected for the noise, floored at the noise's own
+variance), and ``opake.torch.DPAdamW`` with a constant floor (the paper's form), no weight decay,
+betas (0.9, 0.999).
 
 Tuning, the same grid for both: the learning rate from 3e-6 to 1 (1, 3, 10, ...) and the
 setting that bounds the denominator, AdamW's eps from (1e-8, 1e-3, 1e-2, 0.1) and DPAdamW's
@@ -58,23 +60,27 @@ FLOORS = (1e-9, 1e-6, 1e-4, 1e-2)
 
 
 def optimizers(quick: bool):
-    """(name, setting name, settings, build(parameters, lr, setting))."""
+    """(name, setting name, settings, build(parameters, lr, setting), make_private options)."""
     lrs = (1e-2,) if quick else LEARNING_RATES
+    adamw = lambda parameters, lr, eps: torch.optim.AdamW(parameters, lr=lr, eps=eps, weight_decay=0.0)  # noqa: E731
+    eps_grid = list(itertools.product(lrs, (1e-8,) if quick else ADAMW_EPS))
     return (
-        ("AdamW", "eps", list(itertools.product(lrs, (1e-8,) if quick else ADAMW_EPS)),
-         lambda parameters, lr, eps: torch.optim.AdamW(parameters, lr=lr, eps=eps, weight_decay=0.0)),
+        ("AdamW", "eps", eps_grid, adamw, dict(noise_correction=False)),
+        # make_private's default for an AdamW: the second moment corrected, floored at the noise's variance
+        ("AdamW corrected (default)", "eps", eps_grid, adamw, {}),
         ("DPAdamW", "floor", list(itertools.product((1e-3,) if quick else lrs, (1e-6,) if quick else FLOORS)),
-         lambda parameters, lr, floor: DPAdamW(parameters, lr=lr, variance_floor=floor, weight_decay=0.0)),
+         lambda parameters, lr, floor: DPAdamW(parameters, lr=lr, variance_floor=floor, weight_decay=0.0), {}),
     )
 
 
-def train(mechanism: dict, build, lr, setting, seed, data, epochs, noise_multiplier):
+def train(mechanism: dict, build, lr, setting, seed, data, epochs, noise_multiplier, options=None):
     train_set, valid, test = data
     module = _module(32, seed)
     budget = dict(target_epsilon=3.0) if noise_multiplier is None else dict(noise_multiplier=noise_multiplier)
     private = make_private(module=module, optimizer=build(module.parameters(), lr, setting),
                            dataset=torch.utils.data.TensorDataset(*train_set), batch_size=40, epochs=epochs,
-                           target_delta=1e-5, max_grad_norm=1.0, key=key(seed), **mechanism, **budget)
+                           target_delta=1e-5, max_grad_norm=1.0, key=key(seed), **mechanism, **budget,
+                           **(options or {}))
     for _ in range(epochs):
         for x, y in private.data_loader:
             private.optimizer.zero_grad()
@@ -107,7 +113,7 @@ def main() -> int:
     for mechanism_name, mechanism in MECHANISMS.items():
         noise_multiplier = 3.0 if args.quick else None  # None: calibrated to epsilon 3 by the first run
         epsilon = None
-        for name, setting_name, settings, build in optimizers(args.quick):
+        for name, setting_name, settings, build, options in optimizers(args.quick):
             best = None
             for lr, setting in settings:
                 reused = done.get((mechanism_name, name, lr, f"{setting_name} {setting:g}", tuple(seeds)))
@@ -120,7 +126,7 @@ def main() -> int:
                 validation, tests = [], []
                 for seed in seeds:
                     valid_accuracy, test_accuracy, private = train(mechanism, build, lr, setting, seed, data, epochs,
-                                                                   noise_multiplier)
+                                                                   noise_multiplier, options)
                     noise_multiplier, epsilon = private.noise_multiplier, private.epsilon
                     validation.append(valid_accuracy)
                     tests.append(test_accuracy)

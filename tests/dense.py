@@ -43,6 +43,18 @@ def blt_coefs(theta, omega, n: int) -> np.ndarray:
     return c
 
 
+def noise_row_norms(mechanism, n: int) -> np.ndarray:
+    """||row t of C^-1||^2 for t < n, from the dense inverse of a streaming mechanism's C (its Toeplitz
+    coefficients, BLT parameters, or the identity): each step's noise variance over (sigma C / B)^2."""
+    if getattr(mechanism, "coefs", None) is not None:
+        coefs = np.concatenate([mechanism.coefs, np.zeros(n - len(mechanism.coefs))])
+    elif mechanism.num_buffers == 0:
+        coefs = np.eye(1, n)[0]
+    else:
+        coefs = blt_coefs(mechanism.theta, mechanism.omega, n)
+    return (inverse_matrix(lower_toeplitz(coefs)) ** 2).sum(axis=1)
+
+
 def powers(base: float, count: int) -> np.ndarray:
     """base**j for j = 0 .. count-1, each within ~3 ulp of the correctly rounded value.
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dense import blt_coefs, inverse_matrix, lower_toeplitz
+from dense import noise_row_norms
 from opake.dpftrl.noise import band_mf_strategy, blt_strategy, identity_strategy
 from opake.errors import OpakeError
 from opake.random import key
@@ -121,16 +121,6 @@ def test_without_noise_it_is_exactly_adamw(tell_zero):
 # --- the variance it uses is the engine's, for BLT, BandMF and DP-SGD -----------------------------------------
 
 
-def _dense_noise_row_norms(mechanism, n):
-    if getattr(mechanism, "coefs", None) is not None:
-        coefs = np.concatenate([mechanism.coefs, np.zeros(n - len(mechanism.coefs))])
-    elif mechanism.num_buffers == 0:
-        coefs = np.eye(1, n)[0]
-    else:
-        coefs = blt_coefs(mechanism.theta, mechanism.omega, n)
-    return (inverse_matrix(lower_toeplitz(coefs)) ** 2).sum(axis=1)
-
-
 class _Recording(DPAdamW):
     def __init__(self, *args, constant=None, **kwargs):
         super().__init__(*args, **kwargs)
@@ -165,7 +155,7 @@ def test_the_variance_is_the_engines_at_every_step(name, strategy):
     private, optimizer, model = _run(strategy)
     n = private.plan.n_steps
     scale = 1.7 * 0.6 / private.plan.expected_batch_size
-    expected = scale**2 * _dense_noise_row_norms(private.run.noise_fn.mechanism, n)
+    expected = scale**2 * noise_row_norms(private.run.noise_fn.mechanism, n)
     np.testing.assert_allclose(optimizer.told, expected, rtol=1e-12)
     # Its running average is the beta2-average of exactly those variances.
     beta2, average = 0.999, 0.0
@@ -221,7 +211,7 @@ def test_a_bad_variance_is_refused(variance):
 
 @pytest.mark.parametrize("options", [dict(amsgrad=True), dict(maximize=True), dict(fused=True),
                                      dict(capturable=True), dict(variance_floor=0.0),
-                                     dict(variance_floor=float("nan"))])
+                                     dict(variance_floor=float("nan")), dict(variance_floor="auto")])
 def test_unsupported_settings_are_refused_with_the_fix(options):
     with pytest.raises(NoiseCorrectionError) as raised:
         DPAdamW([nn.Parameter(torch.ones(2))], **options)

@@ -112,11 +112,12 @@ def dp_trainer(model, args, dataset, seed=3, **plan):
                      key=opake.random.key(seed), **{**PLAN, **plan})
 
 
-def hand_loop(model, dataset, *, batch_size, epochs, lr, seed=3, micro_batch=8):
-    """The documented opake.torch loop, with Trainer's SGD and linear schedule built by hand; a
-    planned batch larger than ``micro_batch`` is run as ceil(size / micro_batch) balanced virtual
-    batches before its one step (docs/torch.md), as DPTrainer does for per_device_train_batch_size."""
-    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr)
+def hand_loop(model, dataset, *, batch_size, epochs, lr, seed=3, micro_batch=8, optimizer_class=torch.optim.SGD):
+    """The documented opake.torch loop, with Trainer's SGD (or ``optimizer_class``) and linear schedule
+    built by hand; a planned batch larger than ``micro_batch`` is run as ceil(size / micro_batch)
+    balanced virtual batches before its one step (docs/torch.md), as DPTrainer does for
+    per_device_train_batch_size."""
+    optimizer = optimizer_class([p for p in model.parameters() if p.requires_grad], lr=lr)
     n_steps = epochs * (len(dataset) // batch_size)
     scheduler = transformers.get_linear_schedule_with_warmup(optimizer, 0, n_steps)
     private = make_private(module=model, optimizer=optimizer, dataset=dataset, batch_size=batch_size,
@@ -203,6 +204,25 @@ def test_dp_trainer_equals_the_hand_written_loop(tmp_path, adapters):
     assert changed == trainable
     if adapters:
         assert trainable and all("lora_" in name for name in trainable)
+
+
+@pytest.mark.parametrize("optim", ["adamw_torch", "adamw_torch_fused"])
+def test_trainers_adamw_is_corrected_for_the_noise_as_make_private_corrects_it(tmp_path, optim):
+    dataset = CharDataset(sentences(48))
+    trained, reference, uncorrected = gpt2(), gpt2(), gpt2()
+    trainer = dp_trainer(trained, arguments(tmp_path, optim=optim, learning_rate=3e-3), dataset)
+    trainer.train()
+    assert trainer.private.noise_correction.enabled and "AdamW" in trainer.private.noise_correction.reason
+    adamw = lambda params, lr: torch.optim.AdamW(params, lr=lr, weight_decay=0.0)  # noqa: E731 (Trainer's decay: 0)
+    private = hand_loop(reference, dataset, batch_size=8, epochs=2, lr=3e-3, optimizer_class=adamw)
+    assert private.noise_correction.enabled
+    assert_same(parameters(trained), parameters(reference))
+    # Negative control: noise_correction=False trains Trainer's AdamW as it is, another run.
+    off = dp_trainer(uncorrected, arguments(tmp_path, optim=optim, learning_rate=3e-3), dataset,
+                     noise_correction=False)
+    off.train()
+    assert not off.private.noise_correction.enabled
+    assert any(not torch.equal(a, b) for a, b in zip(parameters(trained).values(), parameters(uncorrected).values()))
 
 
 def test_gradient_accumulation_cuts_one_planned_batch_into_micro_batches(tmp_path):

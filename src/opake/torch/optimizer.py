@@ -20,9 +20,14 @@ Under torch.distributed each rank clips its part of the global batch, and the ru
 on every rank). The run's state (noise state, the batch served last) belongs to the run
 (``opake.torch.run.PrivateRun``); the step asks it to check and release.
 
-A wrapped optimizer with a ``set_noise_variance(variance)`` method (``opake.torch.DPAdamW``) is
-told, before each of its steps, the variance of every coordinate of that step's noise
-(``NoisedPytree.noise_variance``, exact for every mechanism); others are stepped as they are.
+A wrapped ``torch.optim.AdamW`` or ``Adam`` is, by default, stepped with its second moment
+corrected for the noise (``opake.torch.adamw.corrected_adam_step``, DP-AdamBC floored at the
+noise's own variance: ``make_private(..., noise_correction=)``, decided by ``noise_correction_for``);
+its ``step`` is then not called, so step hooks registered on it do not run (the learning-rate
+schedulers built on it still count the step). A wrapped optimizer with a
+``set_noise_variance(variance)`` method (``opake.torch.DPAdamW``) is told, before each of its
+steps, the variance of every coordinate of that step's noise (``NoisedPytree.noise_variance``,
+exact for every mechanism); others are stepped as they are.
 
 The wrapper shares ``param_groups``, ``state`` and ``defaults`` with the wrapped optimizer, so
 learning-rate schedulers built on either object drive the same learning rates, and the
@@ -47,6 +52,7 @@ from __future__ import annotations
 
 import torch
 
+from opake.torch.adamw import NoiseCorrection, corrected_adam_step
 from opake.torch.guard import DirectStepError, ForeignOptimizerError, GradientGuard
 from opake.torch.loader import PlanExhaustedError
 from opake.torch.per_example.bookkeeping import sum_dtype
@@ -66,13 +72,17 @@ class DPOptimizer(torch.optim.Optimizer):
     ``normalization`` the constant divisor of the clipped sum, ``noise_multiplier`` the plan's
     sigma (read by Opacus-style scripts as ``optimizer.noise_multiplier``), ``reduction`` how the
     sums meet across processes (``opake.torch.reduction``), ``autograd_parameters`` the tensors
-    autograd accumulates into when they are not the parameters (FSDP's unsharded ones).
+    autograd accumulates into when they are not the parameters (FSDP's unsharded ones),
+    ``noise_correction`` whether the wrapped Adam's second moment is corrected for the noise
+    (``opake.torch.adamw.NoiseCorrection``; None: stepped as it is).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, run, clipper, parameters: dict, max_grad_norm: float,
-                 normalization: float, noise_multiplier: float, reduction=None, autograd_parameters=None):
+                 normalization: float, noise_multiplier: float, reduction=None, autograd_parameters=None,
+                 noise_correction: NoiseCorrection | None = None):
         # Not Optimizer.__init__: the wrapped optimizer owns the groups and the state.
         self.original_optimizer = optimizer
+        self.noise_correction = noise_correction
         self.guard = GradientGuard(parameters, optimizer, autograd_parameters)
         self.run = run
         self.clipper = clipper
@@ -184,6 +194,12 @@ class DPOptimizer(torch.optim.Optimizer):
         noisy = self.run.release(gradients)
         self.reduction.write(self.parameters, noisy.pytree)
         self.last_step_examples = examples
+        correction = self.noise_correction
+        if correction is not None and correction.enabled and not correction.by_optimizer:
+            with self.guard.stepping():
+                corrected_adam_step(self.original_optimizer, noisy.noise_variance, correction.floor)
+            _count_scheduled_step(self.original_optimizer)
+            return None
         set_noise_variance = getattr(self.original_optimizer, "set_noise_variance", None)
         if callable(set_noise_variance):  # a DP-aware optimizer (opake.torch.DPAdamW) corrects for the noise
             set_noise_variance(noisy.noise_variance)
@@ -218,3 +234,10 @@ class DPOptimizer(torch.optim.Optimizer):
         self.clipper.skip_autograd_weight_gradients(True)
         self.guard.collecting = False
         self.guard.clear()
+
+
+def _count_scheduled_step(optimizer) -> None:
+    """What the optimizer's own ``step`` would have told a learning-rate scheduler built on it (torch's
+    schedulers wrap ``step`` to note that it ran, and warn at their step when it has not)."""
+    if hasattr(getattr(optimizer, "step", None), "_wrapped_by_lr_sched"):
+        optimizer._opt_called = True

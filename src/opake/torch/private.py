@@ -55,6 +55,7 @@ from opake.dpftrl.noise.engine.layout import Layout
 from opake.dpftrl.sampling import sampled_loader_options
 from opake.dpftrl.strategies.prefix import PrefixStrategy
 from opake.random import RngKey
+from opake.torch.adamw import NoiseCorrection, noise_correction_for
 from opake.torch.checkpoint import FORMAT, VERSION, check_checkpoint, clipping_record, plan_record
 from opake.torch.loader import PlannedBatches, PlannedDataLoader
 from opake.torch.losses import PerExampleLoss, loss_form
@@ -177,6 +178,12 @@ class PrivateTraining:
         return self.plan.noise_multiplier
 
     @property
+    def noise_correction(self) -> NoiseCorrection:
+        """Whether the optimizer's second moment is corrected for the noise, and why
+        (``opake.torch.adamw.NoiseCorrection``; ``str()`` says it in words)."""
+        return self.optimizer.noise_correction
+
+    @property
     def steps_taken(self) -> int:
         return self.run.step
 
@@ -229,6 +236,7 @@ def make_private(
     privacy_unit=None,
     ownership: str | None = None,
     clipping: str | None = None,
+    noise_correction: bool | None = None,
     **loader_options,
 ) -> PrivateTraining:
     """Plan a private run and return the module, optimizer and data loader that carry it out.
@@ -271,6 +279,12 @@ def make_private(
     ``ownership`` chooses which rank noises which parameters ("tensors", "blocks", "even"; None:
     whole tensors when they balance to within 10%, else an even split of the elements).
 
+    ``noise_correction`` (None: on for a plain ``torch.optim.AdamW`` or ``Adam``) steps the
+    optimizer with its second moment corrected for the noise: DP-AdamBC floored at the noise's own
+    variance (``opake.torch.adamw``), post-processing that changes no privacy figure and suits the
+    learning rate AdamW was tuned with. ``False`` steps the optimizer as it is; ``True`` raises
+    if the optimizer cannot take it. ``private.noise_correction`` says which, and why.
+
     Raises, before anything is modified, on a dataset too small for the batch size, an epsilon
     that cannot be met, an optimizer whose parameters are not the module's trainable
     parameters, layers that mix examples, Poisson sampling with a strategy it does not cover
@@ -279,9 +293,10 @@ def make_private(
     # Under torch.distributed every local refusal is shared before the next collective
     # (opake.torch.ranks.agree): a rank that refused alone would leave the others waiting in it.
     _, world_size = _rank_and_world(process_group)
-    reduction, failure = None, None
+    reduction, correction, failure = None, None, None
     try:
         reduction = _check_attachable(module, optimizer, process_group, privacy_unit, ownership)
+        correction = noise_correction_for(optimizer, noise_correction)
     except Exception as error:
         failure = error
     agree(process_group, world_size, failure, reduction=type(reduction).__name__,
@@ -300,12 +315,17 @@ def make_private(
         failure = error
     agree(process_group, world_size, failure, plan=None if plan is None else _plan_digest(plan))
     return attach(plan, module=module, optimizer=optimizer, dataset=dataset, parameters=parameters,
-                  reduction=reduction, loss_reduction=loss_reduction, loader_options=loader_options)
+                  reduction=reduction, loss_reduction=loss_reduction, loader_options=loader_options,
+                  noise_correction=correction)
 
 
 def attach(plan: PrivacyPlan, *, module: nn.Module, optimizer: torch.optim.Optimizer, dataset, parameters: dict,
-           reduction, loss_reduction: str, loader_options: dict) -> PrivateTraining:
-    """Carry out ``plan`` on ``module``: the noise engine, the hooks, the run and the private optimizer."""
+           reduction, loss_reduction: str, loader_options: dict,
+           noise_correction: NoiseCorrection | None = None) -> PrivateTraining:
+    """Carry out ``plan`` on ``module``: the noise engine, the hooks, the run and the private optimizer
+    (``noise_correction``: ``noise_correction_for``'s decision; None decides with its default)."""
+    if noise_correction is None:
+        noise_correction = noise_correction_for(optimizer)
     if isinstance(reduction, Replicated):  # replicas start from rank 0's weights (opake.torch.ranks)
         broadcast_module(module, reduction.process_group)
     engine_arguments = dict(
@@ -328,7 +348,7 @@ def attach(plan: PrivacyPlan, *, module: nn.Module, optimizer: torch.optim.Optim
     private_optimizer = DPOptimizer(optimizer, run=run, clipper=clipper, parameters=parameters,
                                     autograd_parameters=autograd_parameters, max_grad_norm=plan.max_grad_norm,
                                     normalization=plan.expected_batch_size, noise_multiplier=plan.noise_multiplier,
-                                    reduction=reduction)
+                                    reduction=reduction, noise_correction=noise_correction)
     private = PrivateTraining(module, private_optimizer, dataset, plan, loader_options, loss_hooks)
     setattr(module, _MARK, weakref.ref(private))
     return private

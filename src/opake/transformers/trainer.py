@@ -183,7 +183,8 @@ class PrivateTrainerMixin:
 
     def __init__(self, *args, target_delta: float, target_epsilon: float | None = None,
                  noise_multiplier: float | None = None, strategy=None, sampling: str | None = None,
-                 amplification: bool | None = None, key=None, privacy_unit=None, clipping=None, **kwargs):
+                 amplification: bool | None = None, key=None, privacy_unit=None, clipping=None,
+                 noise_correction: bool | None = None, **kwargs):
         bound = inspect.signature(super().__init__).bind(*args, **kwargs)
         bound.apply_defaults()
         arguments = dict(bound.arguments)
@@ -227,6 +228,7 @@ class PrivateTrainerMixin:
             target_epsilon=target_epsilon, target_delta=target_delta, noise_multiplier=noise_multiplier,
             strategy=strategy, sampling=sampling, amplification=amplification, lr_scheduler=lr_scheduler, key=key,
             loss_reduction=self.loss_reduction, privacy_unit=privacy_unit, clipping=clipping,
+            noise_correction=noise_correction,
             **self._loader_options(collate))
         self.optimizer = self.private.optimizer
         self._resumed_from = None  # the checkpoint folder train() resumes from, until its loader exists
@@ -455,6 +457,9 @@ class DPTrainer(PrivateTrainerMixin, transformers.Trainer):
     ``make_private``; the batch size then counts users (module docstring). ``clipping="automatic"``
     scales each example's gradient by C / (norm + 0.01) instead of clipping it (AUTO-S; the bound
     C is ``args.max_grad_norm`` either way, so the noise and epsilon are the same).
+    ``noise_correction`` as in ``make_private``: Trainer's AdamW (``adamw_torch``,
+    ``adamw_torch_fused``) steps by default with its second moment corrected for the noise
+    (``trainer.private.noise_correction``); ``False`` keeps it as it is.
 
     ``trainer.private`` is the ``PrivateTraining`` (``epsilon``, ``plan``, ``optimizer``,
     ``state_dict()``). Arguments DPTrainer cannot honour raise
@@ -466,7 +471,8 @@ class DPTrainer(PrivateTrainerMixin, transformers.Trainer):
                  callbacks=None, optimizers=(None, None), optimizer_cls_and_kwargs=None,
                  preprocess_logits_for_metrics=None, *, target_delta: float, target_epsilon: float | None = None,
                  noise_multiplier: float | None = None, strategy=None, sampling: str | None = None,
-                 amplification: bool | None = None, key=None, privacy_unit=None, clipping=None):
+                 amplification: bool | None = None, key=None, privacy_unit=None, clipping=None,
+                 noise_correction: bool | None = None):
         super().__init__(model=model, args=args, data_collator=data_collator, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class, model_init=model_init,
                          compute_loss_func=compute_loss_func, compute_metrics=compute_metrics, callbacks=callbacks,
@@ -474,7 +480,7 @@ class DPTrainer(PrivateTrainerMixin, transformers.Trainer):
                          preprocess_logits_for_metrics=preprocess_logits_for_metrics, target_delta=target_delta,
                          target_epsilon=target_epsilon, noise_multiplier=noise_multiplier, strategy=strategy,
                          sampling=sampling, amplification=amplification, key=key, privacy_unit=privacy_unit,
-                         clipping=clipping)
+                         clipping=clipping, noise_correction=noise_correction)
 
 
 class _WorkerSeed:

@@ -73,14 +73,17 @@ class PrivacyEngine:
     def make_private(self, *, module, optimizer, data_loader, noise_multiplier, max_grad_norm, criterion=None,
                      epochs=None, target_delta=None, batch_first=True, loss_reduction="mean", poisson_sampling=True,
                      clipping="flat", noise_generator=None, grad_sample_mode="hooks", wrap_model=True,
-                     rand_on_empty=False, strategy=None, lr_scheduler=None, key=None, progress=None, **kwargs):
+                     rand_on_empty=False, strategy=None, lr_scheduler=None, key=None, progress=None,
+                     noise_correction=None, **kwargs):
         """Opacus' noise-multiplier form: returns ``(module, optimizer, data_loader)``.
 
         DP-SGD with Poisson sampling by default (module docstring); ``epochs`` optional for it.
         ``target_delta`` (default ``min(1e-5, 1 / len(dataset))``) is the delta of
         ``self.private.epsilon``; ``get_epsilon(delta)`` answers for any delta. ``criterion`` is
         accepted and unused (Opacus needs it for ghost clipping only). ``strategy``,
-        ``lr_scheduler``, ``key`` and ``progress`` are ``opake.torch.make_private``'s.
+        ``lr_scheduler``, ``key``, ``progress`` and ``noise_correction`` are ``opake.torch.make_private``'s
+        (an Adam or AdamW is stepped with its second moment corrected for the noise unless
+        ``noise_correction=False``: post-processing, the epsilon is the same).
         """
         self._check(kwargs, dict(clipping=clipping, max_grad_norm=max_grad_norm, grad_sample_mode=grad_sample_mode,
                                  noise_generator=noise_generator, batch_first=batch_first, wrap_model=wrap_model,
@@ -95,13 +98,14 @@ class PrivacyEngine:
         return self._attach(module=module, optimizer=optimizer, dataset=dataset, batch_size=batch_size, epochs=epochs,
                             max_grad_norm=max_grad_norm, noise_multiplier=noise_multiplier, target_delta=target_delta,
                             strategy=strategy, sampling=sampling, lr_scheduler=lr_scheduler, key=key,
-                            loss_reduction=loss_reduction, progress=progress, loader_options=loader_options)
+                            loss_reduction=loss_reduction, progress=progress, noise_correction=noise_correction,
+                            loader_options=loader_options)
 
     def make_private_with_epsilon(self, *, module, optimizer, data_loader, target_epsilon, target_delta, epochs,
                                   max_grad_norm, criterion=None, batch_first=True, loss_reduction="mean",
                                   poisson_sampling=True, clipping="flat", noise_generator=None,
                                   grad_sample_mode="hooks", wrap_model=True, strategy=None, lr_scheduler=None,
-                                  key=None, progress=None, **kwargs):
+                                  key=None, progress=None, noise_correction=None, **kwargs):
         """The mechanism with the least noise at ``(target_epsilon, target_delta)`` over ``epochs``.
 
         ``self.choice`` says which and why (``opake.torch.choice``); ``strategy=`` keeps the
@@ -120,7 +124,7 @@ class PrivacyEngine:
                                 epochs=epochs, max_grad_norm=max_grad_norm, noise_multiplier=choice.noise_multiplier,
                                 target_delta=target_delta, strategy=choice.strategy, sampling=choice.sampling,
                                 lr_scheduler=lr_scheduler, key=key, loss_reduction=loss_reduction,
-                                progress=progress, loader_options=loader_options)
+                                progress=progress, noise_correction=noise_correction, loader_options=loader_options)
         planned = self.private.epsilon
         if not planned <= choice.target_epsilon:  # the choice priced this accountant at this sigma: never
             self.private.detach()
