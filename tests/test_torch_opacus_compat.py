@@ -192,6 +192,22 @@ def test_poisson_sampling_false_keeps_the_choice_on_balls_in_bins():
 
 # --- randomness: torch.manual_seed reproduces, secure_mode draws from the OS -------------------
 
+@pytest.mark.parametrize("noise_correction", [None, False])
+def test_an_adam_is_corrected_for_the_noise_unless_told_not_to(noise_correction):
+    torch.manual_seed(0)
+    model = Net().double()
+    engine = PrivacyEngine()
+    options = {} if noise_correction is None else {"noise_correction": noise_correction}
+    model, optimizer, loader = engine.make_private(
+        module=model, optimizer=torch.optim.Adam(model.parameters(), lr=0.01),
+        data_loader=torch.utils.data.DataLoader(_dataset(dtype=torch.float64), batch_size=32), noise_multiplier=4.0,
+        max_grad_norm=1.0, epochs=1, **options)
+    _epoch(model, optimizer, loader)
+    corrected = engine.private.noise_correction.enabled
+    assert corrected == (noise_correction is None)
+    assert all(("noise_variance_average" in state) == corrected for state in optimizer.state.values())
+
+
 def test_torch_manual_seed_reproduces_a_run_and_another_seed_does_not():
     _, first = _sigma_run(0, passes=1, epochs=1)
     _, again = _sigma_run(0, passes=1, epochs=1)

@@ -8,8 +8,10 @@ deal with layers that mix examples (BatchNorm) and recurrent layers (``DPLSTM``,
 ``DPRNN``: nn.LSTM's interface, clipped exactly). ``choose_mechanism`` compares the proven
 mechanisms at a budget (``opake.torch.choice``). ``PrivacyEngine``, ``BatchMemoryManager`` and
 ``ModuleValidator`` take Opacus' calls (``opake.torch.opacus``, docs/from_opacus.md).
-``DPAdamW`` is AdamW that subtracts each step's noise variance from its second moment
-(DP-AdamBC). ``opake.torch.per_example`` is the per-example clipping engine (hooks, ghost norms)
+``make_private`` steps a plain AdamW or Adam with its second moment corrected for the noise
+(DP-AdamBC floored at the noise's own variance; ``noise_correction=False`` turns it off);
+``DPAdamW`` is that correction as an optimizer, with a constant floor if asked
+(``opake.torch.adamw``). ``opake.torch.per_example`` is the per-example clipping engine (hooks, ghost norms)
 underneath. Nothing below this package imports it.
 """
 
