@@ -412,6 +412,9 @@ def profile_model(name: str, quick: bool, repeats: int) -> None:
     timer.wrap(private.optimizer, "noise_fn", "noise (noise_fn)")
     timer.wrap(private.optimizer.clipper, "clipped_sum", "clipped_sum() copy")
     timer.wrap(private.optimizer.original_optimizer, "step", "AdamW step")
+    # make_private steps a plain AdamW with its second moment corrected for the noise (by default):
+    # that step is opake's own function, not the optimizer's step method
+    timer.wrap(sys.modules["opake.torch.optimizer"], "corrected_adam_step", "AdamW step")
     phases = {"dp": {}, "plain": {}}
     parts: dict[str, float] = {}  # best of the repeats for each wrapped part, as for the phases
     try:
