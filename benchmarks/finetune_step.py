@@ -409,7 +409,7 @@ def profile_model(name: str, quick: bool, repeats: int) -> None:
             size = _dict_bytes if method == "per_example_grads" else None
             timer.wrap(rule, method, lambda args, m=method: f"{type(args[0]).__name__}.{m}", size)
     timer.wrap(clipper_module, "clip_forward_pass", "clipping passes (all)", _held_gradient_bytes)
-    timer.wrap(private.optimizer, "noise_fn", "noise (noise_fn)")
+    timer.wrap(private.run, "noise_fn", "noise (noise_fn)")
     timer.wrap(private.optimizer.clipper, "clipped_sum", "clipped_sum() copy")
     timer.wrap(private.optimizer.original_optimizer, "step", "AdamW step")
     # make_private steps a plain AdamW with its second moment corrected for the noise (by default):

@@ -94,3 +94,15 @@ def test_every_script_is_covered():
     unnamed = sorted(scripts - set(OWN_TEST) - set(TABLES))
     assert not unnamed, f"name the header of each one's table in TABLES (tests/test_benchmarks_quick.py): {unnamed}"
     assert not set(TABLES) - scripts, f"TABLES names scripts that are gone: {sorted(set(TABLES) - scripts)}"
+
+
+def test_the_fine_tuning_profile_runs_and_times_every_part_of_the_private_step():
+    """``finetune_step.py --profile`` (a mode of its own, which ``--quick`` alone does not reach): it
+    broke unseen once, when the noise stage moved from the optimizer to the run."""
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", "OPAKE_PEER_OPACUS": ABSENT}
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "finetune_step.py"), "--quick", "--profile", "--models",
+                           "gpt2"], capture_output=True, text=True, timeout=TIMEOUT, cwd=ROOT, env=environment)
+    assert done.returncode == 0, done.stderr[-3000:]
+    inside = next(line for line in done.stdout.splitlines() if "inside the DP step" in line)
+    for part in ("clipping passes (all)", "noise (noise_fn)", "AdamW step"):
+        assert part in inside, f"the profile does not time {part!r}: {inside}"
