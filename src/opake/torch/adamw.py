@@ -208,9 +208,8 @@ def _corrected_group_step(states, group: dict, variance: float, floor) -> None:
     beta1, beta2 = (float(beta) for beta in group["betas"])
     weight_decay = group["weight_decay"]
     decoupled = group.get("decoupled_weight_decay", True)
-    for param in group["params"]:
-        if param.grad is None:
-            continue
+    params = [param for param in group["params"] if param.grad is not None]
+    for param in params:
         state = states[param]
         if len(state) == 0:  # Adam's own initial state, so that either step continues it
             if group.get("fused"):  # a fused Adam keeps its step count on the parameter's device
@@ -221,7 +220,8 @@ def _corrected_group_step(states, group: dict, variance: float, floor) -> None:
             state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
         state["step"] += 1
-        step = int(state["step"].item())
+    for param, step in zip(params, _step_counts([states[param]["step"] for param in params])):
+        state = states[param]
         average = noise_variance_average(state.get(_AVERAGE, 0.0), variance, beta2)
         state[_AVERAGE] = average
         grad, exp_avg, exp_avg_sq = param.grad, state["exp_avg"], state["exp_avg_sq"]
@@ -236,6 +236,20 @@ def _corrected_group_step(states, group: dict, variance: float, floor) -> None:
         bias_correction2 = 1 - beta2 ** step
         denominator = _denominator(exp_avg_sq, average, bias_correction2, floor, float(group["eps"]))
         param.addcdiv_(exp_avg, denominator, value=-lr / bias_correction1)
+
+
+def _step_counts(steps: list) -> list[int]:
+    """Each step-count tensor's value, read with one transfer per device: a fused Adam keeps its counts
+    on the accelerator, where reading them one by one would wait for the device once per parameter."""
+    counts = [0] * len(steps)
+    by_device: dict = {}
+    for index, step in enumerate(steps):
+        by_device.setdefault(step.device, []).append(index)
+    for indices in by_device.values():
+        values = torch.stack([steps[index].detach().reshape(()).double() for index in indices]).tolist()
+        for index, value in zip(indices, values):
+            counts[index] = int(value)
+    return counts
 
 
 # -- the correction by default -------------------------------------------------------------------
