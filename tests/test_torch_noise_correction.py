@@ -218,3 +218,11 @@ def test_the_corrected_run_resumes_from_its_checkpoint_bit_for_bit(tmp_path):
     resumed = run(resume=tmp_path / "run.pt")
     for p, q in zip(whole.parameters(), resumed.parameters()):
         assert torch.equal(p, q)
+
+
+def test_step_counts_are_read_whatever_their_dtype_and_in_order():
+    from opake.torch.adamw import _step_counts
+
+    steps = [torch.tensor(3.0), torch.tensor(5.0, dtype=torch.float64), torch.zeros(()) + 7, torch.tensor(2.0**24)]
+    assert _step_counts(steps) == [3, 5, 7, 2**24]
+    assert _step_counts([]) == []
