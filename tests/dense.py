@@ -1,4 +1,5 @@
-"""Dense and brute-force float64 oracles for the Toeplitz / BLT mathematics.
+"""Dense and brute-force float64 oracles for the Toeplitz / BLT mathematics (and the written-out
+Adam that the noise correction is checked against).
 
 Everything here is written from the definitions (docs/math.md sections 1, 3 and 4), never from
 opake's implementation, and never calls opake. The routines are deliberately naive: they build
@@ -285,3 +286,39 @@ def per_query_errors_of(workload_matrix: np.ndarray, matrix: np.ndarray) -> np.n
     """e_t = ||row_t(W C^{-1})||^2 for any dense workload W and strategy matrix C."""
     x = solve_triangular(matrix.T, workload_matrix.T, lower=False).T
     return np.sum(x * x, axis=1)
+
+
+def written_out_adam(theta, gradients, variances, *, lrs, betas, eps=0.0, weight_decay=0.0, decoupled=True,
+                     floor="noise") -> list:
+    """Adam in float64, step by step (the parameters after each step), from the update's definition.
+
+    ``lrs``: one learning rate per step (or one for all). ``decoupled``: AdamW's weight decay,
+    else Adam's (added to the gradient). The denominator: ``floor=None``, Adam's sqrt(v_hat) + eps;
+    a number gamma', DP-AdamBC's sqrt(max(v_hat - phi_hat, gamma')) (the paper's form, no eps);
+    ``"noise"``, sqrt(max(v_hat - phi_hat, phi_hat)) + eps. phi_t = beta2 phi_{t-1} + (1 - beta2) Var_t.
+    """
+    beta1, beta2 = betas
+    lrs = [lrs] * len(gradients) if np.isscalar(lrs) else list(lrs)
+    theta = np.array(theta, dtype=np.float64)
+    m, v, phi = np.zeros_like(theta), np.zeros_like(theta), 0.0
+    path = []
+    for t, (g, variance, lr) in enumerate(zip(gradients, variances, lrs), start=1):
+        g = np.array(g, dtype=np.float64)
+        if weight_decay:
+            if decoupled:
+                theta = theta * (1 - lr * weight_decay)
+            else:
+                g = g + weight_decay * theta
+        m = beta1 * m + (1 - beta1) * g
+        v = beta2 * v + (1 - beta2) * g * g
+        phi = beta2 * phi + (1 - beta2) * variance
+        m_hat, v_hat, phi_hat = m / (1 - beta1**t), v / (1 - beta2**t), phi / (1 - beta2**t)
+        if floor is None:
+            denominator = np.sqrt(v_hat) + eps
+        elif floor == "noise":
+            denominator = np.sqrt(np.maximum(v_hat - phi_hat, phi_hat)) + eps
+        else:
+            denominator = np.sqrt(np.maximum(v_hat - phi_hat, floor))
+        theta = theta - lr * m_hat / denominator
+        path.append(theta.copy())
+    return path

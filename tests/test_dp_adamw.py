@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dense import noise_row_norms
+from dense import noise_row_norms, written_out_adam
 from opake.dpftrl.noise import band_mf_strategy, blt_strategy, identity_strategy
 from opake.errors import OpakeError
 from opake.random import key
@@ -29,21 +29,7 @@ from opake.torch.adamw import MissingNoiseVarianceError, NoiseCorrectionError
 def _reference(theta, gradients, variances, *, lr, betas, weight_decay, floor):
     """Algorithm 1 of DP-AdamBC with AdamW's decoupled weight decay and the variance average
     phi_t = beta2 phi_{t-1} + (1 - beta2) Var_t (= Phi when the variance is constant)."""
-    beta1, beta2 = betas
-    theta = np.array(theta, dtype=np.float64)
-    m = np.zeros_like(theta)
-    v = np.zeros_like(theta)
-    phi = 0.0
-    path = []
-    for t, (g, variance) in enumerate(zip(gradients, variances), start=1):
-        theta = theta * (1 - lr * weight_decay)
-        m = beta1 * m + (1 - beta1) * g
-        v = beta2 * v + (1 - beta2) * g * g
-        phi = beta2 * phi + (1 - beta2) * variance
-        m_hat, v_hat, phi_hat = m / (1 - beta1**t), v / (1 - beta2**t), phi / (1 - beta2**t)
-        theta = theta - lr * m_hat / np.sqrt(np.maximum(v_hat - phi_hat, floor))
-        path.append(theta.copy())
-    return path
+    return written_out_adam(theta, gradients, variances, lrs=lr, betas=betas, weight_decay=weight_decay, floor=floor)
 
 
 @pytest.mark.parametrize("betas, weight_decay, floor", [((0.9, 0.999), 0.01, 1e-9), ((0.5, 0.9), 0.0, 1e-4)])

@@ -1,7 +1,7 @@
 """The noise correction by default: make_private steps a plain AdamW or Adam with DP-AdamBC's
 second moment floored at the noise's own variance (opake.torch.adamw.corrected_adam_step).
 
-Oracles: a float64 Adam written out here with numpy (no torch optimizer, no opake code), fed the
+Oracles: a float64 Adam written out with numpy (tests/dense.py, no torch optimizer, no opake code), fed the
 noised gradients the private optimizer actually wrote and the variances the dense inverse of C
 gives; torch's own AdamW for the runs without the correction. Negative controls: the written-out
 Adam without the correction does not match a corrected run, and noise_correction=False does not
@@ -18,33 +18,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dense import noise_row_norms
+from dense import noise_row_norms, written_out_adam
 from opake.dpftrl.noise import band_mf_strategy, blt_strategy, identity_strategy
 from opake.random import key
 from opake.torch import DPAdamW, make_private
 from opake.torch.adamw import NoiseCorrectionError, corrected_adam_step, noise_correction_for
-
-
-def _adam(theta, gradients, variances, *, lr, betas, eps, weight_decay, decoupled=True, corrected=True):
-    """Adam / AdamW in float64; ``corrected``: the denominator sqrt(max(v_hat - phi_hat, phi_hat)) + eps,
-    phi_t = beta2 phi_{t-1} + (1 - beta2) Var_t; otherwise Adam's sqrt(v_hat) + eps."""
-    beta1, beta2 = betas
-    theta = np.array(theta, dtype=np.float64)
-    m, v, phi = np.zeros_like(theta), np.zeros_like(theta), 0.0
-    for t, (g, variance) in enumerate(zip(gradients, variances), start=1):
-        g = np.array(g, dtype=np.float64)
-        if weight_decay:
-            if decoupled:
-                theta = theta * (1 - lr * weight_decay)
-            else:
-                g = g + weight_decay * theta
-        m = beta1 * m + (1 - beta1) * g
-        v = beta2 * v + (1 - beta2) * g * g
-        phi = beta2 * phi + (1 - beta2) * variance
-        m_hat, v_hat, phi_hat = m / (1 - beta1**t), v / (1 - beta2**t), phi / (1 - beta2**t)
-        second = np.maximum(v_hat - phi_hat, phi_hat) if corrected else v_hat
-        theta = theta - lr * m_hat / (np.sqrt(second) + eps)
-    return theta
 
 
 @pytest.mark.parametrize("kind, weight_decay", [("AdamW", 0.01), ("AdamW", 0.0), ("Adam", 0.05), ("Adam", 0.0)])
@@ -60,16 +38,16 @@ def test_a_corrected_step_equals_the_written_out_adam(kind, weight_decay):
     for t, (g, variance) in enumerate(zip(gradients, variances), start=1):
         param.grad = torch.tensor(g)
         corrected_adam_step(optimizer, float(variance))
-        expected = _adam(theta0, gradients[:t], variances[:t], lr=0.01, betas=(0.8, 0.99), eps=1e-6,
-                         weight_decay=weight_decay, decoupled=kind == "AdamW")
+        expected = written_out_adam(theta0, gradients[:t], variances[:t], lrs=0.01, betas=(0.8, 0.99), eps=1e-6,
+                                    weight_decay=weight_decay, decoupled=kind == "AdamW")[-1]
         np.testing.assert_allclose(param.detach().numpy(), expected, rtol=1e-12, atol=1e-15)
     # Both branches of the floor were taken, and the uncorrected Adam is another path (negative control).
     state = optimizer.state[param]
     v_hat = state["exp_avg_sq"].numpy() / (1 - 0.99**steps)
     phi_hat = state["noise_variance_average"] / (1 - 0.99**steps)
     assert (v_hat < 2 * phi_hat).any() and (v_hat > 2 * phi_hat).any()
-    plain = _adam(theta0, gradients, variances, lr=0.01, betas=(0.8, 0.99), eps=1e-6, weight_decay=weight_decay,
-                  decoupled=kind == "AdamW", corrected=False)
+    plain = written_out_adam(theta0, gradients, variances, lrs=0.01, betas=(0.8, 0.99), eps=1e-6,
+                             weight_decay=weight_decay, decoupled=kind == "AdamW", floor=None)[-1]
     assert np.abs(param.detach().numpy() - plain).max() > 1e-4
 
 
@@ -116,17 +94,9 @@ def test_make_private_corrects_adamw_by_default_as_the_written_out_adam(name, st
     n = private.plan.n_steps
     variances = _dense_variances(private.run.noise_fn.mechanism, n, 1.3 * 0.5 / private.plan.expected_batch_size)
     rates = [0.02 * 0.5 ** (t // 4) for t in range(n)]  # StepLR(step_size=4, gamma=0.5), read at each step
-    for index, (p, p0) in enumerate(zip(model.parameters(), start)):
-        theta = p0.numpy().copy()
-        m, v, phi = np.zeros_like(theta), np.zeros_like(theta), 0.0
-        for t in range(1, n + 1):  # the written-out AdamW with the correction, at the scheduler's rates
-            lr, g = rates[t - 1], released[t - 1][index]
-            theta = theta * (1 - lr * 0.01)
-            m = 0.9 * m + 0.1 * g
-            v = 0.999 * v + 0.001 * g * g
-            phi = 0.999 * phi + 0.001 * variances[t - 1]
-            m_hat, v_hat, phi_hat = m / (1 - 0.9**t), v / (1 - 0.999**t), phi / (1 - 0.999**t)
-            theta = theta - lr * m_hat / (np.sqrt(np.maximum(v_hat - phi_hat, phi_hat)) + 1e-8)
+    for index, (p, p0) in enumerate(zip(model.parameters(), start)):  # the written-out AdamW, scheduler's rates
+        theta = written_out_adam(p0.numpy(), [step[index] for step in released], variances, lrs=rates,
+                                 betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)[-1]
         np.testing.assert_allclose(p.detach().numpy(), theta, rtol=1e-9, atol=1e-12)
     # Negative control: the same run without the correction is another run.
     _, plain, _, _ = _train(adamw, strategy, noise_correction=False)

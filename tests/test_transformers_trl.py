@@ -213,6 +213,8 @@ def test_sft_default_arguments_run_on_a_cpu(tmp_path, monkeypatch):
                            processing_class=tokenizer(), key=opake.random.key(0), **PLAN)
     bf16_here = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
     assert isinstance(trainer.private_args, trl.SFTConfig) and trainer.args.bf16 == bf16_here
+    # TRL's default optimizer (Trainer's AdamW) is corrected for the noise, as make_private corrects one
+    assert trainer.private.noise_correction.enabled, trainer.private.noise_correction
     plain = transformers.TrainingArguments(**{name: value for name, value in settings(tmp_path).items()
                                               if name != "max_length"})  # converted to an SFTConfig, as TRL does
     trainer = DPSFTTrainer(model=llama(), args=plain, train_dataset=datasets.Dataset.from_dict(sft_rows(16)),

@@ -67,7 +67,6 @@ __all__ = ["DPAdamW", "MissingNoiseVarianceError", "NOISE_FLOOR", "NoiseCorrecti
 
 NOISE_FLOOR = "noise"
 DEFAULT_VARIANCE_FLOOR = NOISE_FLOOR
-PAPER_VARIANCE_FLOOR = 1e-9
 _REFUSED_OPTIONS = ("amsgrad", "maximize", "capturable", "differentiable", "fused")
 _AVERAGE = "noise_variance_average"
 
@@ -140,7 +139,7 @@ class DPAdamW(torch.optim.AdamW):
     """
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2, *, variance_floor: float = DEFAULT_VARIANCE_FLOOR, **options):
+                 weight_decay: float = 1e-2, *, variance_floor: float | str = DEFAULT_VARIANCE_FLOOR, **options):
         for name in _REFUSED_OPTIONS:
             if options.get(name):
                 raise NoiseCorrectionError(

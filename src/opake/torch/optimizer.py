@@ -74,12 +74,12 @@ class DPOptimizer(torch.optim.Optimizer):
     sums meet across processes (``opake.torch.reduction``), ``autograd_parameters`` the tensors
     autograd accumulates into when they are not the parameters (FSDP's unsharded ones),
     ``noise_correction`` whether the wrapped Adam's second moment is corrected for the noise
-    (``opake.torch.adamw.NoiseCorrection``; None: stepped as it is).
+    (``opake.torch.adamw.NoiseCorrection``, from ``noise_correction_for``).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, run, clipper, parameters: dict, max_grad_norm: float,
-                 normalization: float, noise_multiplier: float, reduction=None, autograd_parameters=None,
-                 noise_correction: NoiseCorrection | None = None):
+                 normalization: float, noise_multiplier: float, noise_correction: NoiseCorrection, reduction=None,
+                 autograd_parameters=None):
         # Not Optimizer.__init__: the wrapped optimizer owns the groups and the state.
         self.original_optimizer = optimizer
         self.noise_correction = noise_correction
@@ -195,7 +195,7 @@ class DPOptimizer(torch.optim.Optimizer):
         self.reduction.write(self.parameters, noisy.pytree)
         self.last_step_examples = examples
         correction = self.noise_correction
-        if correction is not None and correction.enabled and not correction.by_optimizer:
+        if correction.enabled and not correction.by_optimizer:
             with self.guard.stepping():
                 corrected_adam_step(self.original_optimizer, noisy.noise_variance, correction.floor)
             _count_scheduled_step(self.original_optimizer)

@@ -320,12 +320,9 @@ def make_private(
 
 
 def attach(plan: PrivacyPlan, *, module: nn.Module, optimizer: torch.optim.Optimizer, dataset, parameters: dict,
-           reduction, loss_reduction: str, loader_options: dict,
-           noise_correction: NoiseCorrection | None = None) -> PrivateTraining:
+           reduction, loss_reduction: str, loader_options: dict, noise_correction: NoiseCorrection) -> PrivateTraining:
     """Carry out ``plan`` on ``module``: the noise engine, the hooks, the run and the private optimizer
-    (``noise_correction``: ``noise_correction_for``'s decision; None decides with its default)."""
-    if noise_correction is None:
-        noise_correction = noise_correction_for(optimizer)
+    (``noise_correction``: ``noise_correction_for``'s decision for ``optimizer``)."""
     if isinstance(reduction, Replicated):  # replicas start from rank 0's weights (opake.torch.ranks)
         broadcast_module(module, reduction.process_group)
     engine_arguments = dict(
