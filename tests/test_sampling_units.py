@@ -41,8 +41,9 @@ def test_units_are_numbered_by_first_appearance():
     units = PrivacyUnits.from_ids(IDS)
     assert units.unit_of_example.tolist() == [0, 1, 0, 2, 1, 0, 3, 2]
     assert units.num_units == 4 and units.examples(0).tolist() == [0, 2, 5]
+    assert PrivacyUnits.from_ids([[1], [2], (1,)]).unit_of_example.tolist() == [0, 1, 0]  # read by value
     with pytest.raises(TypeError, match="hashable"):
-        PrivacyUnits.from_ids([[1], [2]])
+        PrivacyUnits.from_ids([{"user": 1}, {"user": 2}])
     with pytest.raises(ValueError, match="no gap"):
         PrivacyUnits(np.array([0, 2]))
 

@@ -491,8 +491,11 @@ def test_a_checkpoint_saved_before_sampling_existed_loads_into_the_unamplified_r
 
     saved = run(amplification=False).state_dict()
     saved["plan"] = {name: saved["plan"][name] for name in ("n_steps", "num_bins", "noise_multiplier", "max_grad_norm")}
-    run(amplification=False).load_state_dict(saved, draws="replay")
-    run().load_state_dict(saved, draws="replay")                  # the default for a BLT: unamplified too
+    del saved["digest"]  # written before the whole-checkpoint digest existed, too
+    with pytest.warns(UserWarning, match="no whole digest"):
+        run(amplification=False).load_state_dict(saved, draws="replay")
+    with pytest.warns(UserWarning, match="no whole digest"):
+        run().load_state_dict(saved, draws="replay")              # the default for a BLT: unamplified too
     with pytest.warns(dpftrl_acc.UnprovenAmplificationWarning):
         amplified = run(amplification=True)
     with pytest.raises(ValueError, match="another plan"):

@@ -11,11 +11,16 @@ C per user, where example-level clipping of the same data (the negative control)
 
 from __future__ import annotations
 
+import contextlib
 import random
+import unicodedata
+import warnings
 
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import opake.dpftrl.accounting as dpftrl_acc
@@ -24,10 +29,13 @@ import opake.torch.private as private_module
 from opake.dpftrl.noise import identity_strategy
 from opake.dpftrl.participation import Participation
 from opake.dpftrl.sampling import PrivacyUnits
+from opake.errors import OpakeError
 from opake.torch import make_private
 from opake.torch.losses import token_mean_per_example
 from opake.torch.per_example import ClipperUsageError, PerExampleClipper
 from opake.torch.per_example import units as unit_norms
+from opake.torch.privacy_units import (LookAlikeIdsWarning, NaNIdError, UncomparableIdError,
+                                       privacy_units)
 from opake.transformers.batches import unit_micro_batches
 
 C = 0.3
@@ -212,16 +220,32 @@ def test_tiny_gpt2_with_padding_clips_each_users_summed_gradient(regroup):
 # -- (b) adding one user moves the clipped sum by at most C ---------------------------------------
 
 
+def _zero_linear_model():
+    """A linear model at w = 0, where an example's gradient of the half squared error is -y x."""
+    model = nn.Linear(4, 1, bias=False).double()
+    nn.init.zeros_(model.weight)
+    return model
+
+
+def _half_squared_errors(model, x, y):
+    return 0.5 * (model(x) - y).pow(2).sum(dim=1)
+
+
+def _aligned_rows(rows: int, target: float = 10 * C):
+    """The x and y of one user whose ``rows`` examples share x and a large y: at w = 0, aligned
+    gradients of norm ``target`` each (zero gradients for ``target=0``)."""
+    x = torch.tensor([[1.0, 0.0, 0.0, 0.0]], dtype=torch.float64).repeat(rows, 1)
+    return x, torch.full((rows, 1), target, dtype=torch.float64)
+
+
 def _aligned_sums(units, rows_per_user_added: int, per_user: bool):
     """Clipped sums of a linear model at w = 0 (gradient -y x) without and with one added user whose
     three examples share x and a large y: aligned gradients of norm 10 C each."""
-    model = nn.Linear(4, 1, bias=False).double()
-    nn.init.zeros_(model.weight)
+    model = _zero_linear_model()
     generator = torch.Generator().manual_seed(3)
     base_x = torch.randn(len(units), 4, generator=generator, dtype=torch.float64)
     base_y = torch.randn(len(units), 1, generator=generator, dtype=torch.float64)
-    added_x = torch.tensor([[1.0, 0.0, 0.0, 0.0]], dtype=torch.float64).repeat(rows_per_user_added, 1)
-    added_y = torch.full((rows_per_user_added, 1), 10 * C, dtype=torch.float64)
+    added_x, added_y = _aligned_rows(rows_per_user_added)
     results = []
     for x, y, owners in ((base_x, base_y, units),
                          (torch.cat([base_x, added_x]), torch.cat([base_y, added_y]),
@@ -229,7 +253,7 @@ def _aligned_sums(units, rows_per_user_added: int, per_user: bool):
         clipper = PerExampleClipper(model, max_grad_norm=C, loss_reduction="mean")
         if per_user:
             clipper.expect_units(owners)
-        (0.5 * (model(x) - y).pow(2).sum(dim=1)).mean().backward()
+        _half_squared_errors(model, x, y).mean().backward()
         results.append(clipper.clipped_sum()["weight"])
         clipper.remove()
         model.zero_grad()
@@ -428,7 +452,7 @@ def test_bad_privacy_units_are_refused(monkeypatch):
     with pytest.raises(ValueError, match="9 ids but the dataset has 10 examples"):
         _plan_with(list(range(9)))
     with pytest.raises(TypeError, match="hashable"):
-        _plan_with([[u] for u in range(10)])
+        _plan_with([{"user": u} for u in range(10)])
     with pytest.raises(TypeError, match="one id per example"):
         _plan_with("user_id")
     with pytest.raises(ValueError, match="NaN"):
@@ -471,32 +495,230 @@ def _id_forms() -> dict:
 @pytest.mark.parametrize("form", sorted(_id_forms()))
 def test_ids_of_every_form_group_exactly_the_examples_they_name(form):
     ids = _id_forms()[form]
-    units = PrivacyUnits.from_ids(ids)
+    with _expect_look_alikes(form == "floats and ints"):  # 3 and 3.0: equal, of two types
+        units = PrivacyUnits.from_ids(ids)
+        assert _plan_with(ids).plan.privacy_unit == f"user ({len(set(USERS))} units)"
     assert np.array_equal(units.unit_of_example, PrivacyUnits.from_ids(USERS).unit_of_example)
-    assert _plan_with(ids).plan.privacy_unit == f"user ({len(set(USERS))} units)"
     if form == "0-d tensors":
         # negative control: grouped by hash as they come, each tensor is a user of its own (the
         # example-level guarantee reported as a user-level one)
         assert len({value: None for value in ids}) == len(ids) == 10
 
 
-def test_ids_that_cannot_be_grouped_by_value_are_refused():
-    with pytest.raises(TypeError, match=r"Tensor of shape \(2,\).*one scalar id per example"):
-        PrivacyUnits.from_ids([torch.tensor([u, u]) for u in USERS])
+@contextlib.contextmanager
+def _expect_look_alikes(expected: bool):
+    """A ``LookAlikeIdsWarning`` must come inside if ``expected``; otherwise no warning may."""
+    if expected:
+        with pytest.warns(LookAlikeIdsWarning):
+            yield
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            yield
 
-    class User:  # equality by identity: two User("a") would be two users
-        def __init__(self, name):
-            self.name = name
 
-    with pytest.raises(TypeError, match="hashes by identity"):
-        _plan_with([User(str(u)) for u in USERS])
+def test_multi_element_tensors_and_int_subclasses_are_read_by_value():
+    pairs = [torch.tensor([u, u]) for u in USERS]  # a tensor of n elements: the tuple of its values
+    assert PrivacyUnits.from_ids(pairs).unit_of_example.tolist() == _first_appearance(USERS)
 
-    class IdentityHashedInt(int):  # equal by value, hashed by identity
+    class IdentityHashedInt(int):  # equal by value, hashed by identity: read as the int it equals
         def __hash__(self):
             return id(self)
 
-    with pytest.raises(ValueError, match="5 distinct values but grouping them by hash gave 10 units"):
-        PrivacyUnits.from_ids([IdentityHashedInt(u) for u in USERS])
+    assert _plan_with([IdentityHashedInt(u) for u in USERS]).plan.privacy_unit == "user (5 units)"
+    # negative control: grouped by hash as they come, each is a unit of its own
+    assert len({value: None for value in map(IdentityHashedInt, USERS)}) == 10
+
+
+# -- (g) ids read by value at any depth ---------------------------------------------------------------
+
+
+def _first_appearance(ids) -> list:
+    """The oracle: unit numbers of plain hashable ids, numbered by first appearance."""
+    numbers: dict = {}
+    return [numbers.setdefault(value, len(numbers)) for value in ids]
+
+
+def _org_and_user_columns(orgs: int = 4, users_per_org: int = 4, rows_per_user: int = 4):
+    """Two id columns of a tensor data set: a user is an (org, user) pair, user numbers repeat across
+    orgs (so neither column alone names a user), rows of users interleaved."""
+    pairs = [(org, user) for org in range(orgs) for user in range(users_per_org) for _ in range(rows_per_user)]
+    random.Random(0).shuffle(pairs)
+    return torch.tensor([org for org, _ in pairs]), torch.tensor([user for _, user in pairs])
+
+
+def test_pairs_of_0d_tensors_over_16_users_are_16_units():
+    org_ids, user_ids = _org_and_user_columns()
+    ids = list(zip(org_ids, user_ids))  # iterating a tensor gives 0-d tensors, each hashed by identity
+    assert all(isinstance(part, torch.Tensor) and part.ndim == 0 for pair in ids for part in pair)
+    expected = _first_appearance(zip(org_ids.tolist(), user_ids.tolist()))
+    assert max(expected) + 1 == 16
+    rows = torch.stack([org_ids, user_ids], dim=1)
+    for form in (ids, rows, rows.numpy(), list(rows), [[np.int64(o), u] for o, u in ids],
+                 [(torch.tensor([o]), np.asarray(u)) for o, u in zip(org_ids.tolist(), user_ids.tolist())]):
+        units = privacy_units(form, 64)
+        assert units.num_units == 16 and units.unit_of_example.tolist() == expected
+    # negative control: grouped by hash as they come (the old reading), every pair is a unit of its own
+    assert len({pair: None for pair in ids}) == 64
+
+
+def _release_moves(ids, x, y, added_rows: slice, **options) -> tuple[list, object]:
+    """How far one user moves each release: ``make_private(privacy_unit=ids)`` on (x, y), run once as
+    given and once with the rows ``added_rows`` (one user's) at zero gradient; per step, the norm of
+    the difference of the two clipped sums, in units of C, and the plan.
+
+    The model stays at w = 0 (learning rate 0), so every example's gradient, -y x, is the same in
+    both runs and in every step: the difference is that user's clipped contribution to the step."""
+    sums = []
+    for silent in (False, True):
+        y_run = y.clone()
+        if silent:
+            y_run[added_rows] = 0.0  # at w = 0, zero gradients
+        model = _zero_linear_model()
+        private = make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+                               dataset=torch.utils.data.TensorDataset(x, y_run), max_grad_norm=C,
+                               noise_multiplier=1.0, target_delta=1e-5, privacy_unit=ids, key=opake.random.key(6),
+                               **options)
+        per_step = []
+        for _ in range(private.plan.n_steps // private.plan.steps_per_epoch):
+            for batch_x, batch_y in private.data_loader:
+                private.optimizer.zero_grad()
+                if len(batch_x):
+                    _half_squared_errors(model, batch_x, batch_y).mean().backward()
+                    per_step.append(private.optimizer.clipper.clipped_sum()["weight"])
+                else:
+                    per_step.append(torch.zeros_like(model.weight))
+                private.optimizer.step()
+        sums.append(per_step)
+    return [float((a - b).norm()) / C for a, b in zip(*sums)], private.plan
+
+
+def test_one_user_of_0d_tensor_pairs_moves_each_release_by_at_most_c():
+    """End to end: a user named by pairs of 0-d tensors is sampled and clipped as one unit, so it moves
+    a release by at most C and only in the releases the plan prices."""
+    org_ids, user_ids = _org_and_user_columns()
+    generator = torch.Generator().manual_seed(8)
+    base_x = torch.randn(64, 4, generator=generator, dtype=torch.float64)
+    base_y = torch.randn(64, 1, generator=generator, dtype=torch.float64)
+    added_x, added_y = _aligned_rows(8)  # user (4, 0): eight aligned gradients of norm 10 C
+    x, y = torch.cat([base_x, added_x]), torch.cat([base_y, added_y])
+    ids = list(zip(torch.cat([org_ids, torch.full((8,), 4)]),
+                   torch.cat([user_ids, torch.zeros(8, dtype=torch.long)])))
+    options = dict(batch_size=4, epochs=2)
+    moves, plan = _release_moves(ids, x, y, slice(64, None), **options)
+    assert plan.privacy_unit == "user (17 units)" and plan.participation.max_participations == 2
+    assert max(moves) == pytest.approx(1.0, rel=1e-9)  # its summed gradient (norm 80 C) clipped to C
+    assert sorted(move for move in moves if move > 0) == pytest.approx([1.0, 1.0], rel=1e-9)
+    # negative control: every example a unit of its own, as the pairs of tensors were grouped before
+    # (72 units): the user moves 12 releases where the plan prices 2, one of them by 3 C (three of its
+    # rows in one bin), 16 C in all (8 rows x 2 epochs)
+    moves, plan = _release_moves(list(range(72)), x, y, slice(64, None), **options)
+    assert plan.privacy_unit == "user (72 units)" and plan.participation.max_participations == 2
+    assert sum(move > 0 for move in moves) == 12
+    assert (max(moves), sum(moves)) == pytest.approx((3.0, 16.0), rel=1e-9)
+
+
+@pytest.mark.parametrize("nan_id", [(0, float("nan")), (torch.tensor(0), torch.tensor(float("nan"))),
+                                    torch.tensor([0.0, float("nan")]), [np.float32("nan")], float("nan")],
+                         ids=["tuple", "tuple of tensors", "tensor", "list of numpy", "float"])
+def test_nan_anywhere_in_an_id_is_refused(nan_id):
+    ids = [(u, 1.0) for u in USERS[:9]] + [nan_id]
+    with pytest.raises(NaNIdError, match=r"privacy unit id .*nan.* of example 9 holds NaN.*give those examples a "
+                                         r"real id") as refused:
+        _plan_with(ids)
+    assert isinstance(refused.value, ValueError) and isinstance(refused.value, OpakeError)
+    # negative control: Python's own grouping makes a NaN id a unit of its own wherever it sits
+    assert len({(0, float("nan")): None for _ in range(3)}) == 3
+
+
+class _NamedUser:
+    """Equal by identity only: two _NamedUser("ann") are two users."""
+
+    def __init__(self, name):
+        self.name = name
+
+
+class _HashedByIdentity:
+    """Equal by name, hashed by identity (a broken __hash__): equal ids would land in two groups."""
+
+    def __init__(self, name):
+        self.name = name
+
+    def __eq__(self, other):
+        return isinstance(other, _HashedByIdentity) and other.name == self.name
+
+    __hash__ = object.__hash__
+
+
+@pytest.mark.parametrize("make_id", [_NamedUser, lambda u: (u, _NamedUser(u)), lambda u: [_HashedByIdentity(u)],
+                                     lambda u: object()], ids=["object", "in a tuple", "in a list", "object()"])
+def test_ids_compared_by_identity_are_refused(make_id):
+    with pytest.raises(UncomparableIdError, match=r"of example 0 holds a value of type \w+, which compares or hashes "
+                                                  r"by identity.*an int, a str or a tuple") as refused:
+        _plan_with([make_id(u) for u in USERS])
+    assert isinstance(refused.value, TypeError) and isinstance(refused.value, OpakeError)
+    # negative control: grouped by hash, equal-looking ids inside tuples are one unit each
+    assert len({(u, _NamedUser(u)): None for u in USERS}) == 10
+
+
+def test_look_alike_ids_warn_once_with_examples():
+    nfc, nfd = unicodedata.normalize("NFC", "José"), unicodedata.normalize("NFD", "José")
+    ids = [nfc, nfd, 3, "3", 1, 1.0, True, "bob", ("\uff13", "x"), (3, "x")]  # \uff13: a full-width 3
+    with pytest.warns(LookAlikeIdsWarning) as record:
+        plan = _plan_with(ids, batch_size=1).plan
+    warned = [str(w.message) for w in record if issubclass(w.category, LookAlikeIdsWarning)]
+    assert len(warned) == 1
+    for example in (r"'Jos\xe9' and 'Jose\u0301'", "3 and '3'", "('\\uff13', 'x') and (3, 'x')", "1, 1.0 and True"):
+        assert example in warned[0]
+    assert "3 group(s) of distinct ids" in warned[0] and "1 group(s) of ids of different types" in warned[0]
+    # grouped by value: the look-alikes stay two users each, the equal numbers are one
+    with _expect_look_alikes(True):
+        assert PrivacyUnits.from_ids(ids).unit_of_example.tolist() == [0, 1, 2, 3, 4, 4, 4, 5, 6, 7]
+    assert plan.privacy_unit == "user (8 units)"
+    # negative control: ids that only differ warn nothing
+    with _expect_look_alikes(False):
+        privacy_units(["ann", "bob", 3, 4, (3, "x"), ("Zoë", "y"), b"x", 2.5, None, True], 10)
+
+
+@given(st.lists(st.integers(-3, 3), min_size=1, max_size=30), st.lists(st.sampled_from(["a", "b", "ç", "d"]),
+                                                                        min_size=1, max_size=30))
+def test_flat_ids_keep_their_numbers(integers, names):
+    """Flat ints, strings and 1-D tensors are numbered as before (by first appearance), so checkpoints
+    and plans made with them are unchanged."""
+    for form in (integers, torch.tensor(integers), np.asarray(integers), list(np.asarray(integers)),
+                 [torch.tensor(u) for u in integers]):
+        assert privacy_units(form, len(integers)).unit_of_example.tolist() == _first_appearance(integers)
+    for form in (names, np.asarray(names), tuple(names)):
+        assert privacy_units(form, len(names)).unit_of_example.tolist() == _first_appearance(names)
+
+
+_INT_FORMS = [lambda v: v, torch.tensor, np.int64, lambda v: torch.tensor([v]), np.asarray]
+_PLAIN_IDS = st.recursive(st.integers(0, 3) | st.sampled_from("ab"),
+                          lambda parts: st.lists(parts, min_size=1, max_size=3).map(tuple), max_leaves=5)
+
+
+def _disguised(value, rng):
+    """``value`` (ints, strings and tuples of them) in another form equal to it by value: ints as
+    tensors, one-element tensors or numpy values, strings as numpy strings, tuples as lists or, for
+    several ints, as a tensor or array of them."""
+    if isinstance(value, str):
+        return rng.choice([str, np.str_])(value)
+    if isinstance(value, int):
+        return rng.choice(_INT_FORMS)(value)
+    if len(value) > 1 and all(isinstance(part, int) for part in value) and rng.random() < 0.3:
+        return rng.choice([torch.tensor, np.asarray])(list(value))
+    parts = [_disguised(part, rng) for part in value]
+    return parts if rng.random() < 0.5 else tuple(parts)
+
+
+@settings(max_examples=40)
+@given(st.lists(_PLAIN_IDS, min_size=1, max_size=5), st.lists(st.integers(0, 4), min_size=1, max_size=30),
+       st.randoms())
+def test_nested_ids_are_numbered_as_their_plain_values(pool, picks, rng):
+    """Any mix of tensors, numpy values, tuples and lists at any depth is the plain id it holds."""
+    ids = [pool[pick % len(pool)] for pick in picks]
+    disguised = [_disguised(value, rng) for value in ids]
+    assert PrivacyUnits.from_ids(disguised).unit_of_example.tolist() == _first_appearance(ids)
 
 
 # -- (e) DPTrainer ----------------------------------------------------------------------------------

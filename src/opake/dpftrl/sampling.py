@@ -60,9 +60,12 @@ import torch.utils.data
 
 from opake._checks import integer_at_least
 from opake.dpftrl.participation import Participation
+from opake.errors import OpakeError
+from opake.dpftrl.unit_ids import LookAlikeIdsWarning, NaNIdError, UncomparableIdError, unit_numbers
 from opake.random import RngKey
 
-__all__ = ["BallsInBinsSampler", "CyclicPoissonSampler", "PrivacyUnits", "StepBatches", "UnitSampler",
+__all__ = ["BallsInBinsSampler", "CyclicPoissonSampler", "DatasetNotIndexableError", "DatasetTooSmallError",
+           "LookAlikeIdsWarning", "NaNIdError", "PrivacyUnits", "StepBatches", "UncomparableIdError", "UnitSampler",
            "collate_allowing_empty"]
 
 _DOMAIN = "opake.dpftrl.sampling"
@@ -273,15 +276,48 @@ class StepBatches(torch.utils.data.Sampler):
         return self.n_steps - self.start_step
 
 
+class DatasetNotIndexableError(OpakeError, TypeError):
+    """The dataset is not map-style (``len(dataset)`` and ``dataset[i]``): a sampler puts example i in
+    its bin or group by index, so it cannot serve an ``IterableDataset``."""
+
+
+class DatasetTooSmallError(OpakeError, ValueError):
+    """The dataset is empty, or holds fewer examples (or users) than one batch of an epoch."""
+
+
+def require_map_style(dataset, caller: str) -> None:
+    """Refuse a dataset the samplers cannot index: an ``IterableDataset``, or anything without
+    ``__len__`` and ``__getitem__``. ``caller`` names the call, for the refusal."""
+    iterable = isinstance(dataset, torch.utils.data.IterableDataset)
+    kind = type(dataset)
+    if iterable or not (hasattr(kind, "__len__") and hasattr(kind, "__getitem__")):
+        what = "an IterableDataset" if iterable else f"{kind.__name__}, which lacks __len__ or __getitem__"
+        raise DatasetNotIndexableError(
+            f"{caller} needs a map-style dataset of known length, got {what}: a private run samples by index "
+            f"(example i goes in a random bin drawn from the key and i, and step t serves the examples of its "
+            f"bin as dataset[i]), and the number of examples fixes the plan. Materialize the examples first: "
+            f"dataset = list(iterable_dataset) when it fits in memory, datasets.Dataset.from_list(list("
+            f"streaming.take(n))) for a Hugging Face streaming dataset, or a torch Dataset with __len__ and "
+            f"__getitem__ over your storage"
+        )
+
+
 def steps_per_epoch_of(num_drawn: int, batch_size: int, *, users: bool = False) -> int:
-    """Steps of one epoch: ``num_drawn // batch_size`` (units drawn: examples, or users); refuses 0."""
+    """Steps of one epoch: ``num_drawn // batch_size`` (units drawn: examples, or users); refuses 0
+    (``DatasetTooSmallError``: an empty dataset, or fewer units than one batch)."""
     steps = num_drawn // batch_size
+    if num_drawn == 0:
+        units = "privacy units (users)" if users else "examples"
+        raise DatasetTooSmallError(
+            f"the dataset is empty (len(dataset) == 0): there is nothing to sample a batch from. Pass the "
+            f"training data: a map-style dataset with at least batch_size={batch_size} {units}"
+        )
     if steps < 1:
         drawn = f"{num_drawn} privacy units (users)" if users else f"{num_drawn} examples"
-        raise ValueError(
-            f"the dataset has {drawn}, fewer than batch_size={batch_size}: there is not one batch per epoch; "
-            f"use batch_size <= {num_drawn}" + (" (with privacy_unit, batch_size counts users per batch)"
-                                                if users else "")
+        raise DatasetTooSmallError(
+            f"the dataset is too small: it has {drawn}, fewer than batch_size={batch_size}, so an epoch would "
+            f"not hold one batch; use batch_size <= {num_drawn} or more data"
+            + (" (with privacy_unit, batch_size counts users per batch)" if users else "")
         )
     return steps
 
@@ -290,7 +326,9 @@ def sampled_loader_options(sampler, dataset, loader_options: dict, caller: str, 
     """The DataLoader options for ``sampler``'s batches over ``dataset``: the caller's, refusing the
     ones that would replace the batches whose participation the accountant priced, with a
     ``collate_fn`` that collates empty batches unless one is given. ``caller`` and ``advice``
-    name the call and how its batches are sized, for the refusal."""
+    name the call and how its batches are sized, for the refusal; a dataset that is not map-style
+    is refused first (``require_map_style``)."""
+    require_map_style(dataset, caller)
     if len(dataset) != sampler.num_examples:
         raise ValueError(
             f"the dataset has {len(dataset)} examples but the {type(sampler).__name__} was built for "
@@ -518,6 +556,11 @@ class PrivacyUnits:
 
     def __post_init__(self):
         units = np.asarray(self.unit_of_example)
+        if units.ndim == 1 and units.size == 0:
+            raise DatasetTooSmallError(
+                "the dataset is empty: privacy_unit gives no ids (one per example), so there is no user to "
+                "sample. Pass the training data and one id per example"
+            )
         if units.ndim != 1 or units.size == 0 or not np.issubdtype(units.dtype, np.integer) or units.min() < 0:
             raise ValueError("unit_of_example must be a non-empty 1-D array of non-negative unit numbers")
         order, offsets = _grouped(units.astype(np.int64), int(units.max()) + 1)
@@ -529,30 +572,20 @@ class PrivacyUnits:
 
     @classmethod
     def from_ids(cls, ids) -> "PrivacyUnits":
-        """Units from one id per example, numbered by first appearance; equal ids are one unit.
+        """Units from one id per example (a sequence, or a tensor or array whose first dimension is the
+        examples), numbered by first appearance; ids equal by value are one unit.
 
-        Ids are compared by value: numbers, strings, bytes, tuples and other values that hash by
-        value; numpy scalars and one-element (or 0-d) tensors and arrays are read as their value,
-        so ``torch.tensor(7)``, ``np.int64(7)`` and ``7`` are one user. A tensor hashes by
-        identity, so equal tensor ids would otherwise each make a unit of their own and turn
-        user-level privacy into example-level privacy silently; other ids that hash by identity
-        (objects without value equality) and multi-element tensors are refused. The number of
-        units is checked against a count of the distinct values made by sorting, independent of
-        hashing, when the ids are all numbers or all strings.
+        Ids are read by value at any depth (``opake.dpftrl.unit_ids``): tuples and lists, tensors and numpy arrays
+        (one element: its value; more: the tuple of their values) and numpy scalars, nested in each
+        other, become one key of plain Python values, so ``(torch.tensor(3), "a")``, ``(3, "a")`` and
+        ``[np.int64(3), "a"]`` are one user. A tensor hashes by identity: grouped as they come, equal
+        tensor ids would each make a unit of their own and turn user-level privacy into example-level
+        privacy silently. What cannot be compared by value is refused: ids equal by identity only
+        (``UncomparableIdError``) and NaN anywhere in an id (``NaNIdError``). Ids that look alike
+        (``3`` and ``"3"``, one name in its NFC and NFD forms) or that Python merges across types
+        (``1``, ``1.0``, ``True``) are grouped by value and reported in one ``LookAlikeIdsWarning``.
         """
-        values = [_id_value(value) for value in ids]
-        numbers_by_id: dict = {}
-        try:
-            units = [numbers_by_id.setdefault(value, len(numbers_by_id)) for value in values]
-        except TypeError:
-            raise TypeError("privacy unit ids must be hashable (one user id per example)") from None
-        distinct = _distinct_by_sorting(values)
-        if distinct is not None and distinct != len(numbers_by_id):
-            raise ValueError(
-                f"the privacy unit ids hold {distinct} distinct values but grouping them by hash gave "
-                f"{len(numbers_by_id)} units; use ids that hash by value (integers or strings)"
-            )
-        return cls(np.asarray(units, dtype=np.int64))
+        return cls(np.asarray(unit_numbers(ids), dtype=np.int64))
 
     @property
     def num_examples(self) -> int:
@@ -564,36 +597,6 @@ class PrivacyUnits:
 
     def examples(self, unit: int) -> np.ndarray:
         return self._order[self._offsets[unit]:self._offsets[unit + 1]]
-
-
-def _id_value(value):
-    """A privacy unit id as a value that hashes and compares by value (``PrivacyUnits.from_ids``)."""
-    if isinstance(value, (torch.Tensor, np.ndarray)):
-        if value.size == 1 if isinstance(value, np.ndarray) else value.numel() == 1:
-            return value.item()
-        raise TypeError(
-            f"a privacy unit id is a {type(value).__name__} of shape {tuple(value.shape)}; give one scalar id "
-            f"per example (a user number or name), e.g. privacy_unit=ids.tolist() for a tensor of ids"
-        )
-    if isinstance(value, np.generic):
-        return value.item()
-    if type(value).__hash__ is object.__hash__ and not isinstance(value, type(None)):
-        raise TypeError(
-            f"privacy unit ids must compare by value (integers, strings, tuples), got a {type(value).__name__}, "
-            f"which hashes by identity: two equal ids would be two users. Pass the user's number or name"
-        )
-    return value
-
-
-def _distinct_by_sorting(values: list) -> int | None:
-    """The number of distinct values, by sorting (None unless all are numbers or all strings)."""
-    if all(isinstance(v, numbers.Real) for v in values):
-        ordered = sorted(values)
-    elif all(isinstance(v, str) for v in values):
-        ordered = sorted(values)
-    else:
-        return None
-    return sum(1 for i, v in enumerate(ordered) if i == 0 or v != ordered[i - 1])
 
 
 class UnitSampler(_CyclicSampler):

@@ -18,7 +18,8 @@ underneath. Nothing below this package imports it.
 from opake.torch.opacus import BatchMemoryManager, ModuleValidator, PrivacyEngine
 from opake.torch.choice import MechanismChoice, choose_mechanism
 from opake.torch.recurrent import DPGRU, DPLSTM, DPRNN
-from opake.torch.loader import PlanExhaustedError, PlannedDataLoader, UnplannedBatchError
+from opake.dpftrl.sampling import DatasetNotIndexableError, DatasetTooSmallError
+from opake.torch.loader import DatasetChangedError, PlanExhaustedError, PlannedDataLoader, UnplannedBatchError
 from opake.torch.losses import UnsupportedLossError, token_mean_per_example
 from opake.torch.guard import DirectStepError, ForeignOptimizerError
 from opake.torch.optimizer import DPOptimizer
@@ -26,6 +27,7 @@ from opake.torch.adamw import DPAdamW
 from opake.torch.planning import PrivacyPlan, plan_privacy, strategy_for_optimizer
 from opake.torch.private import PrivateTraining, make_private
 from opake.torch.short_run import ShortRunWarning
+from opake.torch.per_example.errors import CompiledModuleError
 from opake.torch.validation import ModelValidationError, fix_model, validate_model
 
 __all__ = [
@@ -38,6 +40,10 @@ __all__ = [
     "MechanismChoice",
     "ModuleValidator",
     "choose_mechanism",
+    "CompiledModuleError",
+    "DatasetChangedError",
+    "DatasetNotIndexableError",
+    "DatasetTooSmallError",
     "DirectStepError",
     "ForeignOptimizerError",
     "ModelValidationError",

@@ -27,6 +27,11 @@ has no other seam; it is installed once, on the first guard, and costs one dicti
 parameter of a stepping optimizer. Guarded parameters are kept in a weak identity map (a
 parameter that is collected leaves it); ``GradientGuard.remove()`` (``PrivateTraining.detach()``)
 gives the parameters back.
+
+The guard covers the parameters that were planned. A parameter that joins the module or the
+optimizer later (unfrozen, replaced, added in a parameter group) is outside it; the plan's
+contract (``opake.torch.contract``) refuses such a change before any gradient is computed for it,
+so the claim above holds for every parameter that can receive a gradient.
 """
 
 from __future__ import annotations

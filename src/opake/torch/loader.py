@@ -13,9 +13,17 @@ here rather than priced wrongly:
   since ``zero_grad()`` number exactly that batch's examples (this rank's part of it under
   torch.distributed), so several backward calls over parts of *one* planned batch (micro-batches)
   are fine, and anything else is refused before anything is released or modified.
+* **Changed data.** The sampler put examples ``0 .. n - 1`` in their bins when the run was planned
+  over ``n = len(dataset)``: examples added later would never be sampled (nothing was planned for
+  them), and removing some leaves batches naming indices that no longer exist or now hold other
+  examples. The loader compares ``len(dataset)`` with the plan's ``n`` (one ``len()`` call) before
+  it fetches each batch and again as it serves it (workers fetch ahead), and refuses a difference
+  (``DatasetChangedError``) before the batch reaches the loop. With ``privacy_unit`` the plan's
+  ``n`` is the number of examples the ids were given for.
 
 What this cannot see: a loop that takes batch t from the planned loader and then trains on a
-different batch of exactly the same size. The documented loops (``for batch in loader``) never do.
+different batch of exactly the same size (the documented loops, ``for batch in loader``, never do),
+and a dataset whose examples were replaced in place, keeping its length.
 
 ``PlannedDataLoader`` is a ``torch.utils.data.DataLoader`` whose every pass (``iter``) serves the
 steps from the next untaken one to the end of its epoch, as PyTorch loops expect
@@ -31,7 +39,7 @@ import torch
 
 from opake.errors import OpakeError
 
-__all__ = ["PlanExhaustedError", "PlannedBatches", "PlannedDataLoader", "UnplannedBatchError"]
+__all__ = ["DatasetChangedError", "PlanExhaustedError", "PlannedBatches", "PlannedDataLoader", "UnplannedBatchError"]
 
 
 class PlanExhaustedError(OpakeError, RuntimeError):
@@ -40,6 +48,11 @@ class PlanExhaustedError(OpakeError, RuntimeError):
 
 class UnplannedBatchError(OpakeError, RuntimeError):
     """``step()`` was asked to release gradients of something other than the plan's next batch."""
+
+
+class DatasetChangedError(OpakeError, RuntimeError):
+    """The dataset's length differs from the number of examples the run was planned over (it grew or
+    shrank after ``make_private``); raised before the planned loader serves a batch of it."""
 
 
 class PlannedBatches:
@@ -94,6 +107,26 @@ class PlannedBatches:
         stop = self.n_steps if whole_run else min(self.n_steps, (start // self.steps_per_epoch + 1) * self.steps_per_epoch)
         return range(start, stop)
 
+    def check_dataset(self, dataset) -> None:
+        """Raise ``DatasetChangedError`` unless ``dataset`` holds the plan's number of examples."""
+        planned, current = self.sampler.num_examples, len(dataset)
+        if current == planned:
+            return
+        if current > planned:
+            what = (f"it grew after make_private, and the {current - planned} new example(s) would never be "
+                    f"sampled: the sampler drew bins for examples 0..{planned - 1} only")
+        else:
+            what = ("it shrank after make_private, and the planned batches name examples that no longer exist "
+                    "or now stand at other indices")
+        users = getattr(self.sampler, "units_of_batch", None) is not None  # only a UnitSampler has units
+        raise DatasetChangedError(
+            f"the dataset holds {current} examples now, but the run was planned over {planned}"
+            f"{' (the examples privacy_unit gave ids for)' if users else ''}: {what}. Nothing was served or "
+            f"released. Keep the dataset as it was for the whole run, or plan a new run over the new data "
+            f"(private.detach(), then make_private with it{', and one id per example' if users else ''}): the "
+            f"privacy costs of the two runs add up"
+        )
+
     def check_step(self, step: int, examples: int, served: int | None) -> None:
         """Raise ``UnplannedBatchError`` unless batch ``step`` was ``served`` last and ``examples``
         clipped examples are its examples."""
@@ -124,17 +157,26 @@ class PlannedBatches:
 
 
 class _PassBatches(torch.utils.data.Sampler):
-    """Batch sampler of one pass: the steps from the run's next step, as iteration starts."""
+    """Batch sampler of one pass: the steps from the run's next step, as iteration starts, each
+    checked against ``dataset``'s length before its indices go to the fetcher."""
 
-    def __init__(self, run, whole_run: bool):
+    def __init__(self, run, dataset, whole_run: bool):
         super().__init__()
         self.run = run
+        self.dataset = dataset
         self.whole_run = whole_run
         self.steps: range | None = None  # the pass being served
 
     def __iter__(self):
         self.steps = self.run.batches.pass_range(self.run.step, self.whole_run)
-        return (self.run.batches.served(step) for step in self.steps)
+        return self._indices(self.steps)
+
+    def _indices(self, steps: range):
+        for step in steps:
+            # Before the fetch: a shrunk dataset would otherwise fail on a missing index (or serve
+            # another example at it), a grown one would serve batches that leave its new examples out.
+            self.run.batches.check_dataset(self.dataset)
+            yield self.run.batches.served(step)
 
     def __len__(self) -> int:
         try:
@@ -149,11 +191,12 @@ class PlannedDataLoader(torch.utils.data.DataLoader):
     Built by ``make_private`` (``private.data_loader``, ``private.run_data_loader()``) over the
     run (``PrivateRun``). Batches vary in size and can be empty (``collate_fn`` must handle an
     empty list; the default one does). Handing a batch to the loop tells the run it was served
-    (``run.serve(step)``), which ``optimizer.step()`` checks.
+    (``run.serve(step)``), which ``optimizer.step()`` checks. A dataset whose length is no longer
+    the plan's is refused before each batch is fetched and as it is served (``DatasetChangedError``).
     """
 
     def __init__(self, dataset, run, whole_run: bool = False, **loader_options):
-        super().__init__(dataset, batch_sampler=_PassBatches(run, whole_run), **loader_options)
+        super().__init__(dataset, batch_sampler=_PassBatches(run, dataset, whole_run), **loader_options)
         self.run = run
 
     @property
@@ -164,5 +207,7 @@ class PlannedDataLoader(torch.utils.data.DataLoader):
         batches = super().__iter__()
         steps = self.batch_sampler.steps
         for step, batch in zip(steps, batches):
+            # Again as the batch is served: worker processes fetch batches ahead of the loop.
+            self.run.batches.check_dataset(self.dataset)
             self.run.serve(step)
             yield batch

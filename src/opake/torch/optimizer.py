@@ -53,6 +53,7 @@ from __future__ import annotations
 import torch
 
 from opake.torch.adamw import NoiseCorrection, corrected_adam_step
+from opake.torch.contract import PlanChangedError
 from opake.torch.guard import DirectStepError, ForeignOptimizerError, GradientGuard
 from opake.torch.loader import PlanExhaustedError
 from opake.torch.per_example.bookkeeping import sum_dtype
@@ -79,13 +80,14 @@ class DPOptimizer(torch.optim.Optimizer):
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, run, clipper, parameters: dict, max_grad_norm: float,
                  normalization: float, noise_multiplier: float, noise_correction: NoiseCorrection, reduction=None,
-                 autograd_parameters=None):
+                 autograd_parameters=None, contract=None):
         # Not Optimizer.__init__: the wrapped optimizer owns the groups and the state.
         self.original_optimizer = optimizer
         self.noise_correction = noise_correction
         self.guard = GradientGuard(parameters, optimizer, autograd_parameters)
         self.run = run
         self.clipper = clipper
+        self.contract = contract
         self.parameters = parameters
         self.max_grad_norm = float(max_grad_norm)
         self.normalization = float(normalization)
@@ -123,10 +125,10 @@ class DPOptimizer(torch.optim.Optimizer):
         self.original_optimizer.load_state_dict(state_dict)
 
     def add_param_group(self, param_group):
-        raise RuntimeError(
+        raise PlanChangedError(
             "a private optimizer's parameters are fixed by its privacy plan (the noise engine holds "
             "buffers for exactly those parameters); build the optimizer with every parameter group "
-            "before calling make_private"
+            "before calling make_private. Nothing was changed"
         )
 
     def __repr__(self) -> str:
@@ -179,6 +181,8 @@ class DPOptimizer(torch.optim.Optimizer):
             )
         failure, sums, examples = None, None, 0
         try:
+            if self.contract is not None:  # the module and the groups are still the plan's
+                self.contract.check()
             sums, examples = self._clipped_sums(step)
             self.run.check(step, examples)
             self._check_coverage_once(examples)

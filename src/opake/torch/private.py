@@ -52,21 +52,24 @@ import opake.accounting as acc
 from opake.dpftrl.accounting.methods import AccountingMethod
 from opake.dpftrl.noise.distributed.ownership import OWNERSHIP_MODES, balanced_ownership
 from opake.dpftrl.noise.engine.layout import Layout
-from opake.dpftrl.sampling import sampled_loader_options
+from opake.dpftrl.sampling import require_map_style, sampled_loader_options
 from opake.dpftrl.strategies.prefix import PrefixStrategy
 from opake.random import RngKey
 from opake.torch.adamw import NoiseCorrection, noise_correction_for
-from opake.torch.checkpoint import FORMAT, VERSION, check_checkpoint, clipping_record, plan_record
+from opake.torch.checkpoint import (FORMAT, VERSION, CheckpointError, check_checkpoint, check_module_state,
+                                    check_optimizer_state, clipping_record, plan_record, whole_digest)
+from opake.torch.contract import PlanContract
 from opake.torch.loader import PlannedBatches, PlannedDataLoader
 from opake.torch.losses import PerExampleLoss, loss_form
 from opake.torch.optimizer import DPOptimizer
 from opake.torch.per_example import PerExampleClipper
 from opake.torch.planning import PrivacyPlan, plan_privacy, strategy_for_optimizer
-from opake.torch.ranks import agree, broadcast_module, dataset_digest, rank_and_world as _rank_and_world, shared_key
+from opake.torch.ranks import (agree, broadcast_module, dataset_digest, launcher_restarts,
+                              rank_and_world as _rank_and_world, require_one_run, shared_key)
 from opake.torch.reduction import Replicated, Sharded, SingleProcess
 from opake.torch.run import PrivateRun
 from opake.torch.short_run import warn_if_short
-from opake.torch.validation import require_valid_model, trainable_parameters
+from opake.torch.validation import require_uncompiled, require_valid_model, trainable_parameters
 
 __all__ = ["PrivacyPlan", "PrivateTraining", "make_private", "strategy_for_optimizer"]
 
@@ -110,6 +113,8 @@ class PrivateTraining:
         to every optimizer (``.grad`` fills again, any optimizer may step); the run cannot step after."""
         warn_if_short(self, "private.detach()")
         self.optimizer.clipper.remove()
+        if self.optimizer.contract is not None:
+            self.optimizer.contract.remove()
         self.optimizer.release_wrapped_optimizer()
         self._loss_hooks.remove()
         if getattr(self.module, _MARK, None) is not None and getattr(self.module, _MARK)() is self:
@@ -194,10 +199,13 @@ class PrivateTraining:
         return isinstance(self.optimizer.reduction, Sharded)
 
     def state_dict(self) -> dict:
-        """Model, optimizer, noise state, step and key: ``torch.save`` it, load with weights_only=True."""
-        return {"format": FORMAT, "version": VERSION, "key": self.plan.key.hex(), "plan": plan_record(self.plan),
-                "module": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "noise": self.run.state.noise.state_dict()}
+        """Model, optimizer, noise state, step and key, under one digest: ``torch.save`` it, load with
+        weights_only=True."""
+        saved = {"format": FORMAT, "version": VERSION, "key": self.plan.key.hex(), "plan": plan_record(self.plan),
+                 "module": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
+                 "noise": self.run.state.noise.state_dict()}
+        saved["digest"] = whole_digest(saved)
+        return saved
 
     def load_state_dict(self, state_dict: dict, *, draws: str | None = None, fresh_key: RngKey | None = None) -> None:
         """Restore a run saved by ``state_dict()`` into this (identically planned) run.
@@ -205,13 +213,39 @@ class PrivateTraining:
         ``draws="replay"`` or ``fresh_key=k`` is required: the noise of the steps after the
         checkpoint may already have been released (see ``NoiseState.load_state_dict`` and
         SECURITY.md, "Replaying or redrawing noise"). The data loader restarts at the next step.
+
+        The checkpoint is validated whole before anything is replaced (its digest over the model,
+        the optimizer and the noise state; its plan and key; the model's names and shapes; the
+        optimizer's groups; the noise engine's configuration): a refused load leaves the run exactly
+        as it was. A checkpoint older than the steps this run has already taken is refused
+        (``CheckpointError``): those releases were made, and rewinding would make ``epsilon_spent()``
+        forget them (and, with replayed draws, release their noise again on other gradients).
         """
         check_checkpoint(state_dict, self.plan, self.plan.key.hex())
+        saved_step = state_dict["noise"].get("step") if isinstance(state_dict["noise"], dict) else None
+        if isinstance(saved_step, int) and saved_step < self.steps_taken:
+            raise CheckpointError(
+                f"this checkpoint is at step {saved_step}, but this run has already released {self.steps_taken} "
+                f"steps: loading it would rewind the run, and epsilon_spent() would no longer count the releases "
+                f"already made (replayed draws would also release their noise again, on other gradients). Load "
+                f"checkpoints into a freshly built run (the same make_private arguments and key), never into a "
+                f"live one that is past them. Nothing was restored")
+        check_module_state(self.module, state_dict["module"])
+        check_optimizer_state(self.optimizer.original_optimizer, state_dict["optimizer"])
+        # The noise state validates everything it needs before it retires the current state; the module
+        # and optimizer were validated above, so nothing below fails half-way.
         noise_state = self.run.state.noise.load_state_dict(state_dict["noise"], draws=draws, fresh_key=fresh_key)
         self.module.load_state_dict(state_dict["module"])
         self.optimizer.load_state_dict(state_dict["optimizer"])
         self.run.restore(noise_state)
+        self.optimizer.contract.restored()
         self._reported = {}
+
+    def new_run_after_restart(self) -> None:
+        """Train this run although the launcher restarted the worker (``TORCHELASTIC_RESTART_COUNT`` > 0)
+        and no checkpoint was loaded: a deliberate second run over the same data, whose privacy cost adds
+        up with the first's (``opake.torch.ranks.launcher_restarts``)."""
+        self.optimizer.contract.restored()
 
 
 def make_private(
@@ -295,6 +329,8 @@ def make_private(
     _, world_size = _rank_and_world(process_group)
     reduction, correction, failure = None, None, None
     try:
+        require_one_run(process_group, world_size)
+        require_map_style(dataset, "make_private")  # before len(dataset) is read for the plan
         reduction = _check_attachable(module, optimizer, process_group, privacy_unit, ownership)
         correction = noise_correction_for(optimizer, noise_correction)
     except Exception as error:
@@ -342,10 +378,13 @@ def attach(plan: PrivacyPlan, *, module: nn.Module, optimizer: torch.optim.Optim
                              part=(reduction.rank, reduction.world_size), placeholder=isinstance(reduction, Sharded))
     run = PrivateRun(batches, noise_fn, noise_state, clipper)
     autograd_parameters = reduction.autograd_parameters(module, parameters)
+    contract = PlanContract(module, optimizer, parameters, autograd_parameters, replaying=lambda: clipper.replaying)
+    contract.hook()  # registered first: runs before the clipper's hooks
+    contract.restarts = launcher_restarts()  # a restarted worker restores its run before training it
     private_optimizer = DPOptimizer(optimizer, run=run, clipper=clipper, parameters=parameters,
                                     autograd_parameters=autograd_parameters, max_grad_norm=plan.max_grad_norm,
                                     normalization=plan.expected_batch_size, noise_multiplier=plan.noise_multiplier,
-                                    reduction=reduction, noise_correction=noise_correction)
+                                    reduction=reduction, noise_correction=noise_correction, contract=contract)
     private = PrivateTraining(module, private_optimizer, dataset, plan, loader_options, loss_hooks)
     setattr(module, _MARK, weakref.ref(private))
     return private
@@ -364,6 +403,7 @@ def _check_attachable(module, optimizer, process_group, privacy_unit, ownership=
     """Refuse what cannot carry a plan (before planning); return the run's reduction."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    require_uncompiled(module)  # torch.compile cannot trace the per-example hooks
     if isinstance(module, nn.parallel.DistributedDataParallel):
         raise TypeError(
             "pass the plain module, not DistributedDataParallel(module): make_private reduces the clipped "

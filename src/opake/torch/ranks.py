@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import numbers
+import os
 import secrets
 
 import numpy as np
@@ -28,9 +29,43 @@ import optree
 import torch
 
 from opake.dpftrl.noise.distributed.agreement import RankDisagreementError, disagreements
+from opake.errors import OpakeError
 from opake.random import RngKey, key as make_key
 
-__all__ = ["RankDisagreementError", "agree", "broadcast_module", "dataset_digest", "rank_and_world", "shared_key"]
+__all__ = ["LauncherWorldError", "RankDisagreementError", "agree", "broadcast_module", "dataset_digest",
+           "launcher_restarts", "rank_and_world", "require_one_run", "shared_key"]
+
+
+class LauncherWorldError(OpakeError, RuntimeError):
+    """A launcher started several processes, but this one would plan a private run of its own."""
+
+
+def _environment_count(name: str, default: int) -> int:
+    try:
+        return int(os.environ.get(name, default))
+    except ValueError:
+        return default
+
+
+def launcher_restarts() -> int:
+    """How many times the launcher (torchrun, torch.distributed.elastic) restarted this worker: its
+    ``TORCHELASTIC_RESTART_COUNT``, 0 when not launched that way."""
+    return _environment_count("TORCHELASTIC_RESTART_COUNT", 0)
+
+
+def require_one_run(process_group, world_size: int) -> None:
+    """Several processes are one run or none: refuse to plan as one process (``world_size`` 1) when the
+    launcher's environment says ``WORLD_SIZE`` > 1. Each process would plan a private run of its own
+    over the whole data set, each printing one run's epsilon while together they spend several."""
+    launched = _environment_count("WORLD_SIZE", 1)
+    if world_size == 1 and launched > 1 and process_group is None:
+        raise LauncherWorldError(
+            f"this process was started by a launcher with WORLD_SIZE={launched}, but torch.distributed is not "
+            f"initialized here (or its group has one process): each of the {launched} processes would plan and "
+            f"train a private run of its own over the whole data set, spending {launched} budgets while each "
+            f"reports one. Initialize the process group before planning (torch.distributed.init_process_group("
+            f"'gloo' on CPU, 'nccl' on GPUs)); with transformers on CPU pass --use_cpu "
+            f"(TrainingArguments(use_cpu=True)) so that Trainer initializes it; or run one process")
 
 _SAMPLED_EXAMPLES = 16
 

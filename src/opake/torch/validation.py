@@ -17,19 +17,26 @@ before anything is hooked. ``fix_model`` replaces ``nn.LSTM``/``nn.GRU``/``nn.RN
 ``DPLSTM``/``DPGRU`` by ``opake.torch.DPLSTM``/``DPGRU``/``DPRNN`` with the same weights
 (``opake.torch.recurrent``: the same interface and outputs, gates in ``nn.Linear`` layers,
 clipped exactly); a cell has no drop-in replacement and stays listed.
+
+A compiled model (``torch.compile(model)``, ``model.compile()``, or a compiled submodule) is refused
+by ``require_uncompiled`` before anything is hooked: the per-example hooks cannot be traced
+(``opake.torch.per_example.clipper``, "Compiled calls"), and the fix is to pass the uncompiled
+module (``model._orig_mod`` of ``torch.compile(model)``).
 """
 
 from __future__ import annotations
 
 import copy
+import sys
 
 import torch
 from torch import nn
 
 from opake.errors import OpakeError
 from opake.torch import recurrent
+from opake.torch.per_example.errors import CompiledModuleError
 
-__all__ = ["ModelValidationError", "fix_model", "validate_model"]
+__all__ = ["ModelValidationError", "fix_model", "require_uncompiled", "validate_model"]
 
 _BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 # Opacus' recurrent layers, by qualified class name (opake never imports Opacus): what replaces them
@@ -70,6 +77,32 @@ def require_valid_model(model: nn.Module) -> None:
             + ". model = opake.torch.fix_model(model) returns a fixed copy (BatchNorm to GroupNorm; nn.LSTM, "
             "nn.GRU, nn.RNN and Opacus' DPLSTM and DPGRU to opake's, same weights); build the optimizer after it"
         )
+
+
+def require_uncompiled(model: nn.Module) -> None:
+    """Raise ``CompiledModuleError`` when ``model`` or one of its submodules is compiled: wrapped by
+    ``torch.compile`` (an ``OptimizedModule``) or compiled in place (``module.compile()``)."""
+    for name, layer in model.named_modules():
+        where = "the module" if not name else f"its submodule {name!r}"
+        if _is_compiled_wrapper(layer):
+            fix = ("pass the module it wraps: make_private(module=model._orig_mod, ...)" if not name else
+                   "put the module it wraps (its ._orig_mod) back in its place first")
+        elif getattr(layer, "_compiled_call_impl", None) is not None:  # where module.compile() keeps it
+            fix = "build it again without .compile() (a module compiled in place stays compiled), then plan"
+        else:
+            continue
+        raise CompiledModuleError(
+            f"{where} is compiled ({type(layer).__name__}), and per-example clipping cannot run under "
+            f"torch.compile: its hooks carry Python state from each layer call to the backward pass, which "
+            f"the compiler cannot trace exactly. Nothing was hooked or planned: {fix}. Train the uncompiled "
+            f"module; to compile it for inference once the run is over, call private.detach() first"
+        )
+
+
+def _is_compiled_wrapper(layer: nn.Module) -> bool:
+    """Whether ``layer`` is ``torch.compile``'s wrapper (never when the compiler was not even imported)."""
+    dynamo = sys.modules.get("torch._dynamo.eval_frame")
+    return dynamo is not None and isinstance(layer, dynamo.OptimizedModule)
 
 
 def _is_recurrent(layer: nn.Module) -> bool:

@@ -99,6 +99,7 @@ class PhysicalBatchLoader(torch.utils.data.DataLoader):
         batches = super().__iter__()
         for (step, first, last), batch in zip(labels, batches):
             if first:
+                self.run.batches.check_dataset(self.dataset)  # the data set is still the plan's
                 self.run.serve(step)  # the planned batch is being handed to the loop
             self.optimizer.signal_skip_step(not last)
             yield batch

@@ -37,6 +37,12 @@ A unit whose rows fall in two forward passes is refused when the second one star
 would clip its part on its own, up to 2C for the unit. ``reset()`` (``zero_grad``) keeps the
 expected units and starts taking them from the first row again; ``clipped_sum()`` refuses unless
 the passes clipped took every row's unit exactly once.
+
+Compiled calls. ``torch.compile`` (of the model, of a function that calls it, or of a submodule;
+``module.compile()``) and ``torch.export`` trace the hooks instead of running them, and the hooks
+carry Python state from each layer call to the backward pass that tracing cannot keep exact (the
+graph would break at every hooked layer). The root's and every hooked layer's pre-hook refuse a
+traced call (``CompiledModuleError``) before it computes anything.
 """
 
 from __future__ import annotations
@@ -52,12 +58,43 @@ from torch import nn
 
 from opake.dpftrl.clipping import clipping_rule
 from opake.torch.per_example.bookkeeping import ClippedPass, LayerCall, clip_forward_pass, release, sum_dtype
-from opake.torch.per_example.errors import ClipperUsageError, UnhookedUseError, UnsupportedModuleError
+from opake.torch.per_example.errors import (ClipperUsageError, CompiledModuleError, UnhookedUseError,
+                                           UnsupportedModuleError)
 from opake.torch.per_example.model import HookedLayer, describe, plan_model
 from opake.torch.per_example.rules.base import autocast_state, lowest_precision
 from opake.torch.per_example.rules.embedding import EmbeddingRule
 
 LOSS_REDUCTIONS = ("mean", "sum")
+
+
+_COMPILED_CALL = (
+    "a compiled call (torch.compile(module), module.compile(), a compiled function or submodule that calls it, "
+    "or torch.export) reached the per-example clipping hooks of this module. torch.compile cannot trace them: "
+    "they carry Python state from each layer call to the backward pass, so the graph would break at every "
+    "hooked layer and the clipped sums would rest on how the compiler replays that state. The call was refused "
+    "before it computed anything, and nothing was released. Train with the uncompiled module: call "
+    "private.module itself, with no compiled submodule (a module compiled in place with .compile() stays "
+    "compiled: build it again, then plan again); to compile the trained model for inference, call "
+    "private.detach() first"
+)
+
+
+def _refuse_if_compiling() -> None:
+    """Raise ``CompiledModuleError`` in a hook that torch.compile or torch.export is tracing.
+
+    ``torch.compiler.is_compiling()`` is true only while tracing. Raising from the traced code itself
+    would not do: the compiler takes an uncaught exception for a graph break and runs the hook again
+    eagerly, where the check is false. A function wrapped in ``torch.compiler.disable`` is not traced
+    but called when the compiled code runs, so its error reaches the caller (with ``fullgraph=True``
+    the compiler refuses the call to it instead). It is wrapped here, not at import, because the
+    wrapping imports the compiler (about a second), which is loaded anyway once something is compiled.
+    """
+    if torch.compiler.is_compiling():
+        torch.compiler.disable(_raise_compiled_call, reason="opake refuses compiled calls of a private module")()
+
+
+def _raise_compiled_call() -> None:
+    raise CompiledModuleError(_COMPILED_CALL)
 
 
 @dataclass(eq=False)
@@ -212,6 +249,12 @@ class PerExampleClipper:
         """Examples clipped and summed since the last reset (rows of the model's input, divided by
         ``rows_per_example`` of ``expect_units``)."""
         return self._examples // self._rows_per_example
+
+    @property
+    def replaying(self) -> bool:
+        """Whether a layer is being replayed per example right now (the torch.func fallback runs the
+        layer again, with its parameters swapped, inside the backward pass)."""
+        return self._folding
 
     @property
     def clipped_examples(self) -> int:
@@ -397,6 +440,7 @@ class PerExampleClipper:
     # Hooks -------------------------------------------------------------------------------
 
     def _begin_pass(self, module, args, kwargs):
+        _refuse_if_compiling()
         if self._current is not None:
             return  # the model calling itself recursively stays in one pass
         if torch.is_grad_enabled():
@@ -467,6 +511,7 @@ class PerExampleClipper:
         return (indices.expand(forward_pass.batch_size, *indices.shape[1:]), *args[1:])
 
     def _lend_parameters(self, layer: HookedLayer, module, args, kwargs):
+        _refuse_if_compiling()  # a compiled submodule: the root's check ran eagerly
         lent = []
         if (
             self._skip_autograd_weights and not self._folding and torch.is_grad_enabled()

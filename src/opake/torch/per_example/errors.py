@@ -6,7 +6,7 @@ from opake.dpftrl.clipping import NonFiniteGradientError
 from opake.errors import OpakeError
 
 __all__ = [
-    "BatchDimensionError", "ClipperUsageError", "FallbackWarning", "NonFiniteGradientError", "UnhookedUseError",
+    "BatchDimensionError", "ClipperUsageError", "CompiledModuleError", "FallbackWarning", "NonFiniteGradientError", "UnhookedUseError",
     "UnsupportedModuleError",
 ]
 
@@ -17,6 +17,11 @@ class UnsupportedModuleError(OpakeError, ValueError):
 
 class ClipperUsageError(OpakeError, RuntimeError):
     """The clipper was used out of order (no backward pass, a layer called outside the model)."""
+
+
+class CompiledModuleError(OpakeError, RuntimeError):
+    """A compiled call (``torch.compile``, ``module.compile()``, ``torch.export``) of a module whose
+    gradients are clipped per example; refused before it computes anything."""
 
 
 class BatchDimensionError(OpakeError, RuntimeError):
