@@ -415,7 +415,7 @@ def test_save_and_resume_with_replay_continues_bit_identically(tmp_path):
         assert_same(parameters(resumed_model), parameters(full_model))
 
     other_key = dp_trainer(gpt2(), arguments(tmp_path / "other", **settings), dataset, seed=4)
-    with pytest.raises(ValueError, match="another plan or key"):
+    with pytest.raises(ValueError, match="another key than the key= given"):
         other_key.train(resume_from_checkpoint=str(checkpoint), draws="replay")
 
 

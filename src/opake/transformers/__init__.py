@@ -26,14 +26,22 @@ from opake.transformers.arguments import (  # noqa: E402
     arguments_table,
     check_arguments,
 )
-from opake.transformers.trainer import CHECKPOINT_NAME, DPTrainer, PrivateTrainerMixin  # noqa: E402
+from opake.transformers.trainer import (  # noqa: E402
+    CHECKPOINT_NAME,
+    DPTrainer,
+    IncompleteCheckpointError,
+    PrivateTrainerMixin,
+    ResumeChoiceError,
+)
 
 __all__ = [
     "ARGUMENT_RULES",
     "ArgumentRule",
     "CHECKPOINT_NAME",
     "DPTrainer",
+    "IncompleteCheckpointError",
     "PrivateTrainerMixin",
+    "ResumeChoiceError",
     "UnsupportedTrainingArgumentError",
     "arguments_table",
     "check_arguments",

@@ -311,7 +311,8 @@ ARGUMENT_RULES: tuple[ArgumentRule, ...] = (
     _rule("enable_jit_checkpoint", "pass", "the SIGTERM checkpoint is the same save, noise state included"),
     _rule("restore_callback_states_from_checkpoint", "pass", "callback state"),
     _rule("resume_from_checkpoint", "pass",
-          _SCRIPT + "; resume with trainer.train(resume_from_checkpoint=..., draws='replay' or fresh_key=k)"),
+          _SCRIPT + "; trainer.train(resume_from_checkpoint=...) resumes the run's last complete checkpoint by "
+          "replaying its draws; any other checkpoint needs draws='replay' or fresh_key=k"),
     _rule("push_to_hub", "pass", "uploads the trained (noised) model; see hub_strategy"),
     _rule("hub_strategy", "refuse",
           "'checkpoint' and 'all_checkpoints' upload checkpoint folders, whose opake_private.pt holds the "

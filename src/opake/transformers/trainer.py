@@ -34,9 +34,13 @@ and the training set, so the plan (and epsilon) exists before ``train()``. Then:
   ``private.epsilon_spent()``), ``epsilon_planned`` (the whole planned run's guarantee), ``delta``
   and ``noise_multiplier``.
 * **Checkpoints.** Each checkpoint folder gets ``opake_private.pt`` (``private.state_dict()``:
-  model, optimizer, noise state, step, key); ``train(resume_from_checkpoint=..., draws="replay")``
-  or ``fresh_key=k`` resumes it, and refuses without that choice (SECURITY.md, "Replaying or
-  redrawing noise").
+  model, optimizer, noise state, step, key; and the SHA-256 of every file Trainer wrote there),
+  written atomically after Trainer's files and before Trainer rotates old checkpoints away, so a
+  kill at any moment leaves the last complete checkpoint resumable. ``train(resume_from_checkpoint=
+  folder or True)`` verifies every file before anything loads; it replays the draws by itself
+  only from the last complete checkpoint of this run's ``output_dir`` (the same run continuing),
+  and otherwise needs ``draws="replay"`` or ``fresh_key=k`` (SECURITY.md, "Replaying or redrawing
+  noise"). A worker restarted by torchrun resumes from that checkpoint by itself.
 
 Trainer runs on a copy of the given TrainingArguments with ``gradient_accumulation_steps=1``,
 ``max_grad_norm=0`` and ``ignore_data_skip=True`` (the caller's object is not modified; it is
@@ -49,26 +53,31 @@ import contextlib
 import dataclasses
 import inspect
 import os
+import warnings
 
 import torch
 import transformers
 from torch import nn
 from transformers.trainer_callback import TrainerCallback
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, seed_worker
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints, seed_worker
 from transformers.utils import is_datasets_available
 
+from opake.random import RngKey
 from opake.torch import make_private
+from opake.torch.checkpoint import CheckpointError, whole_digest
+from opake.torch.contract import RestartedWorkerError
+from opake.torch.ranks import LauncherWorldError, agree, launcher_restarts
 from opake.torch.short_run import warn_if_short
 from opake.transformers.arguments import (ARGUMENT_RULES, UnsupportedTrainingArgumentError, check_arguments,
                                          is_constructor_rule, with_launcher_settings)
+from opake.transformers.checkpoints import (CHECKPOINT_NAME, IncompleteCheckpointError, ResumeChoiceError,
+                                           TRAINER_FILES, TRAINER_STATE, check_file_digests, check_same_step,
+                                           checkpoint_name, file_digests, is_newest_folder, last_complete_checkpoint,
+                                           missing_parts, write_atomically)
 from opake.transformers.batches import (EmptyBatchCollator, batch_size_of, lockstep_micro_batches, micro_batches,
                                         unit_micro_batches)
 
-__all__ = ["CHECKPOINT_NAME", "DPTrainer", "PrivateTrainerMixin"]
-
-CHECKPOINT_NAME = "opake_private.pt"
-_TRAINER_STATE = "trainer_state.json"
-
+__all__ = ["CHECKPOINT_NAME", "DPTrainer", "IncompleteCheckpointError", "PrivateTrainerMixin", "ResumeChoiceError"]
 
 class _PlannedEpochs:
     """What Trainer's loop reads of a train dataloader: ``len`` (steps per epoch, whatever the
@@ -117,28 +126,12 @@ class _EpochOfPlan(TrainerCallback):
         state.epoch = state.global_step / self.steps_per_epoch
 
 
-class _PrivateCheckpoint(TrainerCallback):
-    """Writes the private run's state (``opake_private.pt``, one file per rank under
-    torch.distributed) into each checkpoint folder Trainer saves with its optimizer (not with
-    ``save_only_model``, except for a sharded run, which checkpoints only that way: its file then
-    carries the scheduler's state too, restored when training begins)."""
+class _ShardedScheduler(TrainerCallback):
+    """Restores a sharded run's scheduler state, which its private file carries (Trainer saves none
+    with ``save_only_model``), once Trainer has built the scheduler."""
 
-    def __init__(self, private):
-        self.private = private
-        self.scheduler_state = None  # a sharded run's, read from its checkpoint until Trainer builds the scheduler
-
-    def on_save(self, args, state, control, lr_scheduler=None, **kwargs):
-        # A sharded run checkpoints with save_only_model (Trainer cannot save its sharded optimizer
-        # state): each rank's file then holds its shards of the model and optimizer state too, and
-        # the scheduler's state, which Trainer does not save.
-        sharded = self.private.sharded
-        if not args.save_only_model or sharded:  # every rank: each holds its own part of the noise state
-            folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
-            os.makedirs(folder, exist_ok=True)
-            saved = self.private.state_dict()
-            if sharded and lr_scheduler is not None:
-                saved["lr_scheduler"] = lr_scheduler.state_dict()
-            torch.save(saved, os.path.join(folder, checkpoint_name(args)))
+    def __init__(self):
+        self.scheduler_state = None  # read from the checkpoint until Trainer builds the scheduler
 
     def on_train_begin(self, args, state, control, lr_scheduler=None, **kwargs):
         if self.scheduler_state is not None and lr_scheduler is not None:
@@ -150,13 +143,22 @@ class _PrivateCheckpoint(TrainerCallback):
             self.scheduler_state = None
 
 
-def checkpoint_name(args) -> str:
-    """``opake_private.pt`` in one process; ``opake_private-rank{r}-of-{W}.pt`` for rank r of W (each
-    rank's noise state is its own part)."""
-    if args.world_size == 1:
-        return CHECKPOINT_NAME
-    stem, extension = os.path.splitext(CHECKPOINT_NAME)
-    return f"{stem}-rank{args.process_index}-of-{args.world_size}{extension}"
+def _require_one_trainer_world(args) -> None:
+    """Trainer and the launcher count the same processes: refuse when Trainer sees one process
+    (``args.world_size`` 1) but the launcher started several (``WORLD_SIZE``) or a process group of
+    several is initialized. On CPU without ``use_cpu`` transformers does not set up distributed
+    training: each process would run Trainer as the only one (each saving into the same
+    ``output_dir``), and the plan's batch would be one process's."""
+    import torch.distributed as dist
+
+    grouped = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    launched = max(grouped, int(os.environ.get("WORLD_SIZE", "1") or 1))
+    if args.world_size == 1 and launched > 1:
+        raise LauncherWorldError(
+            f"the launcher started {launched} processes, but transformers sees one (TrainingArguments.world_size "
+            f"is 1: on CPU it sets up distributed training only with use_cpu=True): each process would train as "
+            f"if it were alone, saving into the same output_dir. Pass --use_cpu (TrainingArguments(use_cpu=True)) "
+            f"on CPU, or run one process")
 
 
 class PrivateTrainerMixin:
@@ -165,8 +167,10 @@ class PrivateTrainerMixin:
     Put it first: ``class MyTrainer(PrivateTrainerMixin, transformers.Trainer)`` (``DPTrainer``
     is exactly that; TRL's trainers take it the same way). It takes the parent trainer's
     arguments unchanged, plus the plan's, keyword-only (``DPTrainer`` lists them), and works
-    only through Trainer's public seams: ``get_train_dataloader``, ``get_batch_samples``,
-    ``training_step``, ``compute_loss``, ``log``, ``train`` and a callback for checkpoints.
+    through Trainer's public seams (``get_train_dataloader``, ``get_batch_samples``,
+    ``training_step``, ``compute_loss``, ``log``, ``train``, callbacks) and one private method,
+    ``_save_checkpoint`` (TRL's trainers override it too): the only place where a file can join
+    Trainer's checkpoint after Trainer's own files and before its rotation deletes older ones.
 
     A subclass for another trainer (``opake.transformers.trl``) sets ``argument_rules`` (the table
     its arguments are checked against) and ``loss_reduction``, and may override
@@ -194,6 +198,7 @@ class PrivateTrainerMixin:
         if not isinstance(run_args, transformers.TrainingArguments):
             raise TypeError(f"args must be a transformers.TrainingArguments, got {type(run_args).__name__}")
         run_args = with_launcher_settings(self.arguments_of_trainer(run_args))
+        _require_one_trainer_world(run_args)
         if arguments.get("model") is None:
             raise TypeError(f"{type(self).__name__} needs model= (the model make_private hooks)")
         given = {**arguments, "privacy_unit": privacy_unit}  # the constructor's, and the plan's that rows name
@@ -222,19 +227,22 @@ class PrivateTrainerMixin:
         optimizer = self.create_optimizer()  # Trainer's (or the one passed in optimizers=)
         # The scheduler passed in optimizers=, or the one Trainer will build for the plan's length.
         lr_scheduler = self.lr_scheduler or _TrainerSchedule(self.args)
-        self.private = make_private(
+        # Kept to plan again with a checkpoint's key (train(resume_from_checkpoint=...) of a run
+        # built without key=): the same arguments, the same objects.
+        self._plan_arguments = dict(
             module=self.model, optimizer=optimizer, dataset=dataset, batch_size=batch_size,
             epochs=int(run_args.num_train_epochs), max_grad_norm=run_args.max_grad_norm,
             target_epsilon=target_epsilon, target_delta=target_delta, noise_multiplier=noise_multiplier,
-            strategy=strategy, sampling=sampling, amplification=amplification, lr_scheduler=lr_scheduler, key=key,
+            strategy=strategy, sampling=sampling, amplification=amplification, lr_scheduler=lr_scheduler,
             loss_reduction=self.loss_reduction, privacy_unit=privacy_unit, clipping=clipping,
-            noise_correction=noise_correction,
-            **self._loader_options(collate))
+            noise_correction=noise_correction, **self._loader_options(collate))
+        self._key_given = key is not None
+        self.private = make_private(**self._plan_arguments, key=key)
         self.optimizer = self.private.optimizer
         self._resumed_from = None  # the checkpoint folder train() resumes from, until its loader exists
         self.add_callback(_EpochOfPlan(self.private.plan.steps_per_epoch))
-        self._private_checkpoint = _PrivateCheckpoint(self.private)
-        self.add_callback(self._private_checkpoint)
+        self._sharded_scheduler = _ShardedScheduler()
+        self.add_callback(self._sharded_scheduler)
 
     def default_arguments(self) -> transformers.TrainingArguments:
         """The arguments used when ``args=None`` (Trainer's default: ``output_dir="tmp_trainer"``)."""
@@ -383,21 +391,85 @@ class PrivateTrainerMixin:
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
+    def _save_checkpoint(self, model, trial) -> None:
+        """Trainer's checkpoint, completed by every rank's private file before old checkpoints go.
+
+        Trainer writes its files, then rotates (``save_total_limit``) at the end of this method,
+        and only then calls the callbacks' ``on_save``: a private file written there comes after
+        the older checkpoints were deleted, and a kill in between leaves none to resume from. So
+        the rotation waits: Trainer saves with ``save_total_limit`` held back, every rank writes
+        its private file (atomically), and once every rank's is there the main process rotates.
+        Both Trainer's periodic saves and its SIGTERM save (``enable_jit_checkpoint``) come here.
+        """
+        limit = self.args.save_total_limit
+        self.args.save_total_limit = None  # Trainer's own rotation, at the end of its save, keeps everything
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self.args.save_total_limit = limit
+        folder = os.path.join(self.args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        self.accelerator.wait_for_everyone()  # every rank's Trainer files are written: the digests see them all
+        if not self.args.save_only_model or self.private.sharded:
+            self._write_private_file(folder)
+        self.accelerator.wait_for_everyone()  # every rank's private file is in place: the folder is complete
+        if self.args.should_save:
+            rotate_checkpoints(self.args.output_dir, save_total_limit=limit,
+                               best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
+
+    def _write_private_file(self, folder: str) -> None:
+        """This rank's ``private.state_dict()``, with the digests of Trainer's files in ``folder``.
+
+        Written with the optimizer (not with ``save_only_model``), except by a sharded run, which
+        checkpoints only that way (Trainer cannot save its sharded optimizer state): each rank's
+        file then holds its shards of the model and optimizer state, and the scheduler's state,
+        which Trainer does not save. The run's digest is recomputed over all of it.
+        """
+        saved = self.private.state_dict()
+        if self.private.sharded and self.lr_scheduler is not None:
+            saved["lr_scheduler"] = self.lr_scheduler.state_dict()
+        os.makedirs(folder, exist_ok=True)  # a rank that wrote none of Trainer's files may not have made it
+        saved[TRAINER_FILES] = file_digests(folder)
+        saved["digest"] = whole_digest(saved)
+        write_atomically(saved, os.path.join(folder, checkpoint_name(self.args)))
+
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, *, draws: str | None = None,
               fresh_key=None):
-        """Trainer's ``train``; resuming (``resume_from_checkpoint=folder`` or True) needs
-        ``draws="replay"`` or ``fresh_key=k`` (SECURITY.md, "Replaying or redrawing noise")."""
+        """Trainer's ``train``, resuming a private run only from a complete, intact checkpoint.
+
+        ``resume_from_checkpoint=True`` resumes from the newest complete checkpoint of
+        ``output_dir`` (newer folders whose save was cut short are skipped, with a warning); a
+        folder given explicitly must be complete. Every file of the checkpoint is checked
+        against the digests its private file recorded before anything is loaded.
+
+        Draws: without ``draws=`` or ``fresh_key=``, a resume from the last complete checkpoint
+        of this run's own ``output_dir`` replays the saved draws (``draws="replay"``): the same
+        run continuing after a crash, whose steps after the checkpoint were either never
+        released or, recomputed from the same state, data and kernels with bit-identical
+        gradients, are released again identically. The residual risk: if something computed
+        after the checkpoint was released (a pushed or evaluated model, a step's output) and the
+        recomputed gradients differ in any bit (other hardware, kernels or library versions,
+        a changed data set), the two releases of one draw subtract to a difference with no
+        noise. From any other checkpoint (an older one, another run's) the choice is refused
+        until made: ``draws="replay"`` or ``fresh_key=opake.random.key(...)`` (SECURITY.md,
+        "Replaying or redrawing noise").
+
+        Key: a DPTrainer built without ``key=`` (a key drawn from the operating system) plans
+        again with the checkpoint's key before anything trains; one built with another
+        ``key=`` than the checkpoint's is refused.
+
+        A worker restarted by its launcher (``TORCHELASTIC_RESTART_COUNT`` > 0) whose script
+        calls ``train()`` without ``resume_from_checkpoint`` resumes from the last complete
+        checkpoint of ``output_dir`` (replaying, with a warning), and is refused when there is
+        none: planning afresh would spend the budget a second time. ``resume_from_checkpoint=False``
+        says, deliberately, to train a new run from the start (its privacy cost adds up with the
+        earlier attempt's; give it a new ``output_dir``).
+        """
         if trial is not None:
             raise UnsupportedTrainingArgumentError(
                 "DPTrainer does not run hyperparameter trials: every trial trains on the private data, and "
                 "their privacy cost adds up (tune on public or held-out data, or account for the search)")
-        if resume_from_checkpoint is False:
-            resume_from_checkpoint = None
-        if resume_from_checkpoint is True:
-            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
-            if resume_from_checkpoint is None:
-                raise ValueError(f"no checkpoint found in {self.args.output_dir} to resume from")
-        if resume_from_checkpoint is None:
+        folder = self._checkpoint_to_resume(resume_from_checkpoint)
+        if folder is None:
             if draws is not None or fresh_key is not None:
                 raise TypeError("draws= and fresh_key= choose how a resumed run draws its noise; pass them with "
                                 "resume_from_checkpoint=")
@@ -407,34 +479,156 @@ class PrivateTrainerMixin:
                     f"{self.private.plan.participation.n_steps} steps; train() again would start Trainer over on "
                     f"a consumed plan. Resume from a checkpoint (resume_from_checkpoint=..., draws=...) or build "
                     f"a new DPTrainer (a new plan, whose privacy cost adds up with this one's)")
+            if resume_from_checkpoint is False and launcher_restarts():
+                self.private.new_run_after_restart()  # the caller's deliberate choice (docstring)
         else:
-            self._load_private_checkpoint(str(resume_from_checkpoint), draws, fresh_key)
-            self._resumed_from = str(resume_from_checkpoint)
-        result = super().train(resume_from_checkpoint=resume_from_checkpoint, ignore_keys_for_eval=ignore_keys_for_eval)
+            self._resume_private_run(folder, draws, fresh_key)
+            self._resumed_from = folder
+        result = super().train(resume_from_checkpoint=folder, ignore_keys_for_eval=ignore_keys_for_eval)
         # Trainer runs the whole plan (max_steps is refused); fewer steps mean a callback stopped it.
         warn_if_short(self.private, f"{type(self).__name__}.train() returned early")
         return result
 
-    def _load_private_checkpoint(self, folder: str, draws, fresh_key) -> None:
-        if (draws is None) == (fresh_key is None):
-            raise TypeError(
-                "resuming a private run needs exactly one of draws='replay' (the steps after the checkpoint "
-                "redraw the same noise: safe only if nothing after the checkpoint was released, or their "
-                "gradients are bit-identical) and fresh_key=opake.random.key(...) (new noise: a second release "
-                "of those steps that the accounting must count); SECURITY.md, 'Replaying or redrawing noise'")
+    def _checkpoint_to_resume(self, requested) -> str | None:
+        """The folder ``train(resume_from_checkpoint=requested)`` resumes from, or None."""
+        output_dir, world_size = self.args.output_dir, self.args.world_size
+        if requested is False:
+            return None
+        if requested is None:
+            return self._checkpoint_of_restarted_worker()
+        if requested is True:
+            folder = last_complete_checkpoint(output_dir, world_size)
+            if folder is None:
+                raise IncompleteCheckpointError(
+                    f"no complete checkpoint in {output_dir} to resume from (a complete one holds "
+                    f"{TRAINER_STATE} and every rank's {CHECKPOINT_NAME})")
+            return folder
+        folder = os.fspath(requested)
+        missing = missing_parts(folder, world_size)
+        if missing and is_newest_folder(folder, output_dir):
+            # What a stock script passes (transformers' get_last_checkpoint: the newest folder, complete
+            # or not): a save cut short there leaves the last complete checkpoint as the run's latest.
+            last = last_complete_checkpoint(output_dir, world_size)
+            if last is not None:
+                return last
+        if missing:
+            last = last_complete_checkpoint(output_dir, world_size, warn=False)
+            raise IncompleteCheckpointError(
+                f"{folder} is not a complete checkpoint of a private run: it lacks {', '.join(missing)} (a save "
+                f"cut short, one with save_only_model=True, or a folder no DPTrainer wrote); a private run resumes "
+                f"only with its noise state. The last complete checkpoint of {output_dir} is {last} "
+                f"(resume_from_checkpoint=True picks it). Nothing was loaded")
+        return folder
+
+    def _checkpoint_of_restarted_worker(self) -> str | None:
+        """None for a first launch; for a worker the launcher restarted, the last complete checkpoint
+        of ``output_dir`` (or a refusal: its first life may have released steps)."""
+        restarts = launcher_restarts()
+        if not restarts:
+            return None
+        folder = last_complete_checkpoint(self.args.output_dir, self.args.world_size)
+        if folder is None:
+            raise RestartedWorkerError(
+                f"the launcher restarted this worker (TORCHELASTIC_RESTART_COUNT={restarts}) and "
+                f"{self.args.output_dir} holds no complete checkpoint to resume from: its first life may have "
+                f"released steps, and planning afresh would spend the privacy budget a second time while reporting "
+                f"one run's epsilon. To start over deliberately (the two attempts' privacy costs add up), call "
+                f"train(resume_from_checkpoint=False) with a new output_dir. Nothing was trained")
+        warnings.warn(f"the launcher restarted this worker (TORCHELASTIC_RESTART_COUNT={restarts}): resuming from "
+                      f"{folder}, the last complete checkpoint of output_dir, replaying its draws (draws='replay'; "
+                      f"train(resume_from_checkpoint=False) starts a new run instead)", stacklevel=4)
+        return folder
+
+    def _resume_private_run(self, folder: str, draws, fresh_key) -> None:
+        """Check the checkpoint whole (draw choice, private file, Trainer's files, key), every rank
+        alike, before anything is loaded; then adopt its key if needed and load the private state."""
+        failure, saved, key = None, None, None
+        try:
+            draws = self._draw_choice(folder, draws, fresh_key)
+            saved = self._read_private_file(folder)
+            self._check_trainer_files(folder, saved)
+            check_same_step(folder, saved)
+            key = self._key_to_adopt(saved["key"])
+        except Exception as error:
+            failure = error
+        # every rank refuses together (a rank left alone would wait in Trainer's first collective)
+        agree(None, self.args.world_size, failure, checkpoint=os.path.basename(os.path.normpath(folder)))
+        if key is not None:
+            self._plan_again(key)
+        self.private.load_state_dict(saved, draws=draws, fresh_key=fresh_key)
+        self._sharded_scheduler.scheduler_state = saved.get("lr_scheduler")  # a sharded run's
+
+    def _draw_choice(self, folder: str, draws, fresh_key) -> str | None:
+        """``draws`` as given; or "replay" when neither is given and ``folder`` is the last complete
+        checkpoint of this run's ``output_dir`` (``train``'s docstring says why that is safe)."""
+        if draws is not None and fresh_key is not None:
+            raise ResumeChoiceError("pass one of draws='replay' and fresh_key=..., not both")
+        if draws is not None or fresh_key is not None:
+            return draws
+        last = last_complete_checkpoint(self.args.output_dir, self.args.world_size, warn=False)
+        if last is not None and os.path.samefile(last, folder):
+            return "replay"
+        raise ResumeChoiceError(
+            f"{folder} is not the last complete checkpoint of this run's output_dir ({last}), so the steps after "
+            f"it may have been released already: resuming from it needs exactly one of draws='replay' (the steps "
+            f"after the checkpoint redraw the same noise: safe only if nothing after the checkpoint was released, "
+            f"or their gradients are bit-identical) and fresh_key=opake.random.key(...) (new noise: a second "
+            f"release of those steps that the accounting must count); SECURITY.md, 'Replaying or redrawing noise'")
+
+    def _read_private_file(self, folder: str) -> dict:
+        """This rank's private file, read (not loaded into anything) and checked against its digest."""
         path = os.path.join(folder, checkpoint_name(self.args))
-        if not os.path.isfile(path):
-            raise FileNotFoundError(
-                f"{folder} has no {CHECKPOINT_NAME}: it was not saved by a DPTrainer, or with save_only_model=True; "
-                f"a private run resumes only with its noise state")
-        state = torch.load(path, weights_only=True, map_location="cpu")
-        self._private_checkpoint.scheduler_state = state.pop("lr_scheduler", None)  # a sharded run's
-        self.private.load_state_dict(state, draws=draws, fresh_key=fresh_key)
-        trainer_state = transformers.TrainerState.load_from_json(os.path.join(folder, _TRAINER_STATE))
-        if trainer_state.global_step != self.private.steps_taken:
-            raise ValueError(
-                f"{folder}: Trainer's state is at step {trainer_state.global_step} but the noise state at step "
-                f"{self.private.steps_taken}; the checkpoint folder was mixed from two runs")
+        try:
+            saved = torch.load(path, weights_only=True, map_location="cpu")
+        except FileNotFoundError:  # removed since the folder was found complete: not a corruption
+            raise
+        except Exception as error:
+            raise CheckpointError(f"{path} cannot be read ({type(error).__name__}): it was corrupted (a flipped bit, "
+                                  f"a truncated copy). Resume from an intact copy or another checkpoint. Nothing "
+                                  f"was loaded") from error
+        if not isinstance(saved, dict) or "key" not in saved:
+            raise CheckpointError(f"{path} is not a private run's checkpoint (PrivateTraining.state_dict()). Nothing "
+                                  f"was loaded")
+        if "digest" in saved and saved["digest"] != whole_digest(saved):
+            raise CheckpointError(f"{path} does not match its digest: the model, optimizer, noise state or the digests "
+                                  f"of Trainer's files in it were corrupted or edited (a flipped bit, a truncated "
+                                  f"copy). Resume from an intact copy or another checkpoint. Nothing was loaded")
+        return saved
+
+    def _check_trainer_files(self, folder: str, saved: dict) -> None:
+        recorded = saved.get(TRAINER_FILES)
+        if recorded is None:
+            warnings.warn(f"{folder} was saved by an opake without digests of Trainer's files: they are loaded "
+                          f"unverified", stacklevel=4)
+            return
+        check_file_digests(folder, recorded, checkpoint_name(self.args))
+
+    def _key_to_adopt(self, saved_key: str) -> RngKey | None:
+        """The checkpoint's key if this run must plan again with it (built without ``key=``), else None."""
+        if saved_key == self.private.plan.key.hex():
+            return None
+        if self._key_given:
+            raise CheckpointError(
+                f"this checkpoint was saved by a run with another key than the key= given to {type(self).__name__}: "
+                f"a resumed run continues the saved run's batches and noise only with the saved key. Omit key= "
+                f"(the checkpoint's key is then adopted) or pass key=opake.random.RngKey.from_hex(saved['key']) "
+                f"(torch.load of {CHECKPOINT_NAME}). Nothing was loaded")
+        if self.private.steps_taken:
+            raise CheckpointError(
+                f"this {type(self).__name__} has trained {self.private.steps_taken} steps with its own key, and "
+                f"this checkpoint holds another run's: build a new {type(self).__name__} to resume it. Nothing "
+                f"was loaded")
+        return RngKey.from_hex(saved_key)
+
+    def _plan_again(self, key: RngKey) -> None:
+        """Plan the run again with ``key`` (the checkpoint's): the same arguments and objects as
+        ``__init__``'s, so the same plan, but for the key. Nothing has trained."""
+        earlier = self.private
+        earlier.detach()
+        self.private = make_private(**self._plan_arguments, key=key)
+        if self.private.plan.loss != earlier.plan.loss:  # a subclass's description of its loss (DPDPOTrainer)
+            self.private.plan = dataclasses.replace(self.private.plan, loss=earlier.plan.loss)
+        self.optimizer = self.private.optimizer
 
     def hyperparameter_search(self, *args, **kwargs):
         raise UnsupportedTrainingArgumentError(
