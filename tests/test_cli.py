@@ -81,3 +81,17 @@ def test_a_data_set_plan_states_what_make_private_takes_without_a_strategy(capsy
     assert default["epsilon"] <= 3.0
     assert default["noise_multiplier"] == pytest.approx(rows["BandMF"]["noise_multiplier"], rel=1e-2)
     assert default["chosen"] in default["reason"]
+
+
+def test_the_command_answers_help_without_importing_the_planner():
+    """`opake --help` must answer at once: the CLI module imports neither torch, scipy nor dp_accounting
+    (each command imports what it runs). Checked in a fresh interpreter, as the command starts."""
+    import subprocess
+    import sys
+
+    script = ("import sys, opake.cli; heavy = [m for m in ('torch', 'scipy', 'dp_accounting') if m in sys.modules]; "
+              "print(heavy)")
+    shown = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    assert shown.strip() == "[]"
+    help_text = subprocess.run([sys.executable, "-m", "opake", "--help"], capture_output=True, text=True, check=True)
+    assert "plan" in help_text.stdout

@@ -19,6 +19,7 @@ import pytest
 from dp_accounting.pld import PLDAccountant
 
 import opake.cli
+import opake.plan
 from opake.accounting import calibrate, epsilon_budget
 from opake.cli import main
 from opake.dpftrl.accounting import balls_in_bins, mf_gaussian, poisson
@@ -49,7 +50,7 @@ def _chosen_bands():
 @pytest.fixture
 def cli_shares_the_plan(monkeypatch):
     """The CLI tests plan the same run as the fixture; compute it once."""
-    monkeypatch.setattr(opake.cli, "plan_dataset", _cached_plan)
+    monkeypatch.setattr(opake.plan, "plan_dataset", _cached_plan)  # the CLI imports it when it plans
 
 
 def _pld_epsilon(sample_rate, noise_multiplier, count, delta=DELTA, interval=1e-4):

@@ -27,7 +27,8 @@ import json
 import sys
 import time
 
-from opake.plan import plan_dataset, plan_run
+# Planning imports torch, scipy and dp_accounting (seconds): each command imports what it runs, so
+# that `opake --help` answers at once.
 
 _CONTEXT_DEFAULTS = {"n_steps": 5000, "min_sep": 100, "max_participations": 5}
 _DATASET_OPTIONS = ("num_examples", "batch_size", "epochs")
@@ -63,6 +64,8 @@ def _plan(args) -> int:
         if getattr(args, name) is None:
             setattr(args, name, default)
     start = time.perf_counter()
+    from opake.plan import plan_run
+
     plan = plan_run(
         args.n_steps, args.min_sep, args.max_participations, args.epsilon, args.delta,
         max_buffers=args.max_buffers, error=args.error,
@@ -119,6 +122,8 @@ def _options(names) -> str:
 
 def _plan_dataset(args) -> int:
     start = time.perf_counter()
+    from opake.plan import plan_dataset
+
     plan = plan_dataset(args.num_examples, args.batch_size, args.epochs, args.epsilon, args.delta,
                         max_buffers=args.max_buffers, error=args.error, progress=args.progress)
     seconds = time.perf_counter() - start
