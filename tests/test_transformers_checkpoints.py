@@ -377,3 +377,33 @@ def test_a_restarted_worker_without_a_checkpoint_is_refused(tmp_path, monkeypatc
     assert_same(parameters(model), before)
     trainer.train(resume_from_checkpoint=False)  # the deliberate new run
     assert trainer.private.steps_taken == 4
+
+
+# -- several processes are one run or none ---------------------------------------------------------
+
+
+def test_trainer_seeing_one_process_under_torchrun_is_refused(tmp_path):
+    """The real ``torchrun --nproc_per_node 2`` on CPU without --use_cpu: transformers counts one process
+    in each (TrainingArguments.world_size 1), so each would train as if alone into the same output_dir.
+    Both ranks are refused before anything is planned. (With --use_cpu the same launch is one run of two
+    ranks: tests/test_transformers_distributed.py.)"""
+    import subprocess
+    import sys
+
+    launcher = shutil.which("torchrun", path=os.path.dirname(sys.executable))
+    if launcher is None:
+        pytest.skip("torchrun is not installed")
+    script = os.path.join(os.path.dirname(__file__), "torchrun_world_script.py")
+    done = subprocess.run([launcher, "--nproc_per_node", "2", "--master_port", str(_free_port()), script,
+                           str(tmp_path / "out")], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    verdicts = sorted(line for line in done.stdout.splitlines() if line.startswith("rank "))
+    assert verdicts == ["rank 0: LauncherWorldError", "rank 1: LauncherWorldError"], done.stdout + done.stderr[-2000:]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
