@@ -134,7 +134,7 @@ def test_a_rank_whose_checks_fail_makes_every_rank_raise(runs, world_size):
     for rank, rank_results in enumerate(runs[world_size]):
         name, message = rank_results["bad_gradients"]
         if rank == 1:
-            assert name == "ValueError" and re.search(r"NaN or inf \(in '", message)
+            assert name == "InvalidArgumentError" and re.search(r"NaN or inf \(in '", message)
         else:
             assert name == "RankDisagreementError" and re.search(r"rank\(s\) \[1\] refused this step", message)
 

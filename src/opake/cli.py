@@ -27,11 +27,17 @@ import json
 import sys
 import time
 
+from opake.errors import InvalidArgumentError, MissingDependencyError
+
 # Planning imports torch, scipy and dp_accounting (seconds): each command imports what it runs, so
 # that `opake --help` answers at once.
 
 _CONTEXT_DEFAULTS = {"n_steps": 5000, "min_sep": 100, "max_participations": 5}
 _DATASET_OPTIONS = ("num_examples", "batch_size", "epochs")
+
+
+class PlotExtraError(MissingDependencyError, ValueError):
+    """``--plot`` without matplotlib installed (a ``ValueError`` too, as the command line reports those)."""
 
 
 def _extra_strategies(args):
@@ -48,7 +54,7 @@ def _plan(args) -> int:
     given_dataset = [name for name in _DATASET_OPTIONS if getattr(args, name) is not None]
     if given_dataset:
         if given_context:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"{_options(given_context)} cannot be combined with {_options(given_dataset)}: "
                 "a data set plan derives n_steps = epochs * (num_examples // batch_size), "
                 "min_sep = num_examples // batch_size and max_participations = epochs; give either "
@@ -56,7 +62,7 @@ def _plan(args) -> int:
             )
         missing = [name for name in _DATASET_OPTIONS if name not in given_dataset]
         if missing:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"a data set plan needs --num-examples, --batch-size and --epochs; missing: {_options(missing)}"
             )
         return _plan_dataset(args)
@@ -235,7 +241,7 @@ def _plot(plan, path: str) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise ValueError("--plot needs matplotlib: pip install matplotlib") from None
+        raise PlotExtraError("--plot needs matplotlib: pip install matplotlib") from None
     import numpy as np
 
     from opake.dpftrl.strategies import toeplitz

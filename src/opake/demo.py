@@ -50,12 +50,17 @@ import torch
 from opake.dpftrl.accounting import UnprovenAmplificationWarning
 from opake.dpftrl.noise import band_mf_strategy, blt_strategy, identity_strategy
 from opake.dpftrl.sampling import BallsInBinsSampler
+from opake.errors import InvalidArgumentError, MissingDependencyError
 from opake.plan import cyclic_poisson_bands
 from opake.random import key
 from opake.torch import make_private
 
 SPLIT_SEED = 0  # the one fixed data split, whatever the seeds
 TRAIN_SIZE, VALIDATION_SIZE = 1200, 300  # the remaining 297 images are the test set
+
+
+class DemoExtraError(MissingDependencyError, RuntimeError):
+    """The demo's extra (``pip install 'opake[demo]'``) is missing; a ``RuntimeError`` too, as it was."""
 
 
 @dataclass(frozen=True)
@@ -112,7 +117,7 @@ def _data():
     try:
         from sklearn.datasets import load_digits
     except ImportError:
-        raise RuntimeError("opake demo needs scikit-learn (pip install 'opake[demo]')") from None
+        raise DemoExtraError("opake demo needs scikit-learn (pip install 'opake[demo]')") from None
     features, labels = load_digits(return_X_y=True)
     generator = torch.Generator().manual_seed(SPLIT_SEED)
     order = torch.randperm(len(labels), generator=generator)
@@ -253,9 +258,9 @@ def run_demo(settings: DemoSettings = DemoSettings(), progress_bar: bool = True)
     try:
         from tqdm import tqdm
     except ImportError:
-        raise RuntimeError("opake demo needs tqdm (pip install 'opake[demo]')") from None
+        raise DemoExtraError("opake demo needs tqdm (pip install 'opake[demo]')") from None
     if not settings.seeds:
-        raise ValueError("DemoSettings.seeds is empty; give at least one seed, e.g. seeds=(0, 1, 2)")
+        raise InvalidArgumentError("DemoSettings.seeds is empty; give at least one seed, e.g. seeds=(0, 1, 2)")
     data = _data()
     num_examples = data[0][0].shape[0]
     batches_per_epoch = num_examples // settings.batch_size

@@ -23,6 +23,8 @@ import threading
 import time
 from contextlib import contextmanager
 
+from opake.errors import InvalidTypeError
+
 _TICK_SECONDS = 0.5
 DELAY_SECONDS = 1.0
 
@@ -37,7 +39,9 @@ class Progress:
 
     def __init__(self, enabled: bool | None = None, stream=None, *, delay: float | None = None, prefix: str = "opake"):
         if enabled is not None and not isinstance(enabled, bool):
-            raise TypeError(f"progress must be None (on when stderr is a terminal), True or False, got {enabled!r}")
+            raise InvalidTypeError(
+                f"progress must be None (on when stderr is a terminal), True or False, got {enabled!r}"
+            )
         self._stream = stream
         stream = self.stream
         self.is_terminal = bool(getattr(stream, "isatty", lambda: False)())

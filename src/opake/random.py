@@ -30,6 +30,8 @@ import hashlib
 import numbers
 from dataclasses import dataclass
 
+from opake.errors import InvalidArgumentError, InvalidTypeError
+
 __all__ = ["Deriver", "RngKey", "key"]
 
 _MATERIAL_BYTES = 32
@@ -68,7 +70,7 @@ def encode_parts(parts) -> bytes:
         elif isinstance(part, (bytes, bytearray)):
             tag, payload = b"b", bytes(part)
         else:
-            raise TypeError(
+            raise InvalidTypeError(
                 f"random key derivations take ints, strs or bytes, got {part!r} "
                 f"({type(part).__name__})"
             )
@@ -94,7 +96,7 @@ class RngKey:
     def __post_init__(self):
         material = self.material
         if not isinstance(material, (bytes, bytearray)) or len(material) != _MATERIAL_BYTES:
-            raise TypeError(
+            raise InvalidTypeError(
                 f"RngKey material must be {_MATERIAL_BYTES} bytes; create keys with "
                 f"opake.random.key(seed) instead of constructing RngKey directly"
             )
@@ -106,9 +108,9 @@ class RngKey:
         Child ``i`` depends only on this key and ``i``, so ``k.split(3)[:2] == k.split(2)``.
         """
         if not _is_int(n):
-            raise TypeError(f"split(n) needs an integer count, got {n!r} ({type(n).__name__})")
+            raise InvalidTypeError(f"split(n) needs an integer count, got {n!r} ({type(n).__name__})")
         if n < 1:
-            raise ValueError(f"split(n) needs n >= 1, got {n}")
+            raise InvalidArgumentError(f"split(n) needs n >= 1, got {n}")
         return tuple(
             RngKey(_shake(self.material, _TAG_SPLIT, (index,), _MATERIAL_BYTES))
             for index in range(int(n))
@@ -117,7 +119,7 @@ class RngKey:
     def fold_in(self, data: int | str) -> RngKey:
         """A new key that mixes ``data`` (an int such as a step, or a str such as a name) in."""
         if not (_is_int(data) or isinstance(data, str)):
-            raise TypeError(
+            raise InvalidTypeError(
                 f"fold_in takes an int or a str, got {data!r} ({type(data).__name__}); "
                 f"convert other values to one of these explicitly"
             )
@@ -138,7 +140,7 @@ class RngKey:
         For hot loops: the hash of the key material and domain is computed once.
         """
         if not isinstance(domain, str):
-            raise TypeError(f"domain must be a str, got {type(domain).__name__}")
+            raise InvalidTypeError(f"domain must be a str, got {type(domain).__name__}")
         return Deriver(hashlib.shake_256(encode_parts(("opake.random.derive:" + domain, self.material))))
 
     def hex(self) -> str:
@@ -149,13 +151,15 @@ class RngKey:
     def from_hex(cls, text: str) -> RngKey:
         """The key whose :meth:`hex` is ``text`` (for checkpoints)."""
         if not isinstance(text, str):
-            raise TypeError(f"RngKey.from_hex takes a str, got {type(text).__name__}")
+            raise InvalidTypeError(f"RngKey.from_hex takes a str, got {type(text).__name__}")
         try:
             material = bytes.fromhex(text)
         except ValueError:
-            raise ValueError(f"RngKey.from_hex needs {2 * _MATERIAL_BYTES} hex digits, got {text!r}") from None
+            raise InvalidArgumentError(
+                f"RngKey.from_hex needs {2 * _MATERIAL_BYTES} hex digits, got {text!r}"
+            ) from None
         if len(material) != _MATERIAL_BYTES:
-            raise ValueError(f"RngKey.from_hex needs {2 * _MATERIAL_BYTES} hex digits, got {len(text)}")
+            raise InvalidArgumentError(f"RngKey.from_hex needs {2 * _MATERIAL_BYTES} hex digits, got {len(text)}")
         return cls(material)
 
     def __repr__(self) -> str:
@@ -193,7 +197,7 @@ def key(seed: int) -> RngKey:
     so a key is never made from an accidental value.
     """
     if not _is_int(seed):
-        raise TypeError(
+        raise InvalidTypeError(
             f"key(seed) needs an integer seed, got {seed!r} ({type(seed).__name__}); "
             f"pass an explicit int such as key(42)"
         )

@@ -30,6 +30,7 @@ import optree
 import torch
 
 from opake._checks import positive_finite
+from opake.errors import InvalidTypeError
 
 __all__ = ["ClippedPytree", "NoisedPytree", "clipped"]
 
@@ -39,7 +40,7 @@ def _check_tensor_leaves(name: str, pytree) -> None:
     for path, leaf in zip(paths, leaves):
         if not isinstance(leaf, torch.Tensor):
             where = "/".join(str(p) for p in path) or "<root>"
-            raise TypeError(
+            raise InvalidTypeError(
                 f"{name} leaves must be torch.Tensor; the leaf at {where!r} is "
                 f"{type(leaf).__name__}. For an nn.Module pass dict(model.named_parameters())"
             )

@@ -43,7 +43,7 @@ from typing import Callable
 
 from opake._checks import positive_finite
 from opake.accounting.budget import EpsilonBudget
-from opake.errors import OpakeError
+from opake.errors import ConvergenceError, InvalidArgumentError, InvalidStateError, InvalidTypeError, OpakeError
 
 _MAX_EVALUATIONS = 200
 # The interpolated point goes this fraction of the tolerance past the estimated root, and a
@@ -136,13 +136,13 @@ class _Evaluations:
         if param in self.points:
             return self.points[param]
         if self.count >= _MAX_EVALUATIONS:
-            raise RuntimeError(
+            raise ConvergenceError(
                 f"calibrate did not converge in {_MAX_EVALUATIONS} evaluations; is "
                 "epsilon_at non-increasing in the parameter?"
             )
         process = self.factory(param)
         if not hasattr(process, "epsilon_at"):
-            raise TypeError(
+            raise InvalidTypeError(
                 f"process_factory({param!r}) returned {type(process).__name__}, which has no "
                 "epsilon_at(delta); return a privacy process such as mf_gaussian(...)"
             )
@@ -157,7 +157,7 @@ class _Evaluations:
             )
         epsilon = float(process.epsilon_at(self.budget.delta))
         if math.isnan(epsilon):
-            raise ValueError(f"process_factory({param!r}).epsilon_at({self.budget.delta!r}) returned nan")
+            raise InvalidArgumentError(f"process_factory({param!r}).epsilon_at({self.budget.delta!r}) returned nan")
         point = _Point(param, math.log(param), epsilon, process)
         self.points[param] = point
         self.order.append(point)
@@ -195,24 +195,24 @@ class _Evaluations:
 
 def _check_common(budget, process_factory, rtol, allow_estimates, epsilon_rtol, on_evaluation):
     if not isinstance(budget, EpsilonBudget):
-        raise TypeError(
+        raise InvalidTypeError(
             f"budget must be an EpsilonBudget, got {type(budget).__name__}; "
             "build one with opake.accounting.epsilon_budget(epsilon, delta)"
         )
     if not callable(process_factory):
-        raise TypeError(
+        raise InvalidTypeError(
             "process_factory must be a callable param -> privacy process, e.g. "
             "lambda sigma: mf_gaussian(sigma, strategy, n_steps=...)"
         )
     if isinstance(rtol, bool) or not isinstance(rtol, numbers.Real) or not (1e-12 <= rtol <= 0.5):
-        raise ValueError(f"rtol must be a number in [1e-12, 0.5], got {rtol!r}")
+        raise InvalidArgumentError(f"rtol must be a number in [1e-12, 0.5], got {rtol!r}")
     if epsilon_rtol is not None and (isinstance(epsilon_rtol, bool) or not isinstance(epsilon_rtol, numbers.Real)
                                      or not (1e-12 <= epsilon_rtol <= 0.5)):
-        raise ValueError(f"epsilon_rtol must be None or a number in [1e-12, 0.5], got {epsilon_rtol!r}")
+        raise InvalidArgumentError(f"epsilon_rtol must be None or a number in [1e-12, 0.5], got {epsilon_rtol!r}")
     if not isinstance(allow_estimates, bool):
-        raise TypeError(f"allow_estimates must be True or False, got {allow_estimates!r}")
+        raise InvalidTypeError(f"allow_estimates must be True or False, got {allow_estimates!r}")
     if on_evaluation is not None and not callable(on_evaluation):
-        raise TypeError(f"on_evaluation must be None or a callable (param, epsilon), got {on_evaluation!r}")
+        raise InvalidTypeError(f"on_evaluation must be None or a callable (param, epsilon), got {on_evaluation!r}")
     return float(rtol), None if epsilon_rtol is None else float(epsilon_rtol)
 
 
@@ -270,7 +270,9 @@ def calibrate(
     param_min = positive_finite("param_min", param_min)
     param_max = positive_finite("param_max", param_max)
     if not param_min < param_max:
-        raise ValueError(f"param_min must be < param_max, got param_min={param_min!r}, param_max={param_max!r}")
+        raise InvalidArgumentError(
+            f"param_min must be < param_max, got param_min={param_min!r}, param_max={param_max!r}"
+        )
     evaluations = _Evaluations(budget, process_factory, allow_estimates, epsilon_rtol, on_evaluation)
     high = evaluations(param_max)
     if not evaluations.passes(high):
@@ -373,13 +375,15 @@ def calibrate_near(
     param_min = positive_finite("param_min", param_min)
     param_max = positive_finite("param_max", param_max)
     if not param_min < param_max:
-        raise ValueError(f"param_min must be < param_max, got param_min={param_min!r}, param_max={param_max!r}")
+        raise InvalidArgumentError(
+            f"param_min must be < param_max, got param_min={param_min!r}, param_max={param_max!r}"
+        )
     if isinstance(spread, bool) or not isinstance(spread, numbers.Real) or not spread > 1.0:
-        raise ValueError(f"spread must be a number > 1, got {spread!r}")
+        raise InvalidArgumentError(f"spread must be a number > 1, got {spread!r}")
     if slope is not None and (isinstance(slope, bool) or not isinstance(slope, numbers.Real)
                               or not (math.isfinite(slope) and slope < 0.0)):
-        raise ValueError(f"slope must be None or a finite number < 0 (epsilon falls as the parameter grows), "
-                         f"got {slope!r}")
+        raise InvalidArgumentError(f"slope must be None or a finite number < 0 (epsilon falls as the parameter grows), "
+                                   f"got {slope!r}")
     evaluations = _Evaluations(budget, process_factory, allow_estimates, epsilon_rtol, on_evaluation)
     logarithmic = evaluations.aim > 0.0
     u_min, u_max = math.log(param_min), math.log(param_max)
@@ -461,9 +465,11 @@ def calibrate_capped(
     if cap is None:
         cap = calibrate(budget, cap_factory, param_min, param_max)
     elif not isinstance(cap, CalibrationResult):
-        raise TypeError(f"cap must be None or the CalibrationResult of cap_factory, got {type(cap).__name__}")
+        raise InvalidTypeError(f"cap must be None or the CalibrationResult of cap_factory, got {type(cap).__name__}")
     elif cap.budget != budget:
-        raise ValueError(f"cap was calibrated to {cap.budget}, not to {budget}; calibrate the cap to the same budget")
+        raise InvalidArgumentError(
+            f"cap was calibrated to {cap.budget}, not to {budget}; calibrate the cap to the same budget"
+        )
     try:
         return calibrate_near(budget, process_factory, cap.param, param_min, cap.param, rtol=rtol,
                               allow_estimates=allow_estimates, epsilon_rtol=epsilon_rtol,
@@ -471,7 +477,7 @@ def calibrate_capped(
     except CalibrationRangeError as error:
         if error.end != "max":
             raise
-        raise RuntimeError(
+        raise InvalidStateError(
             f"the process misses the budget (epsilon={budget.epsilon!r}, delta={budget.delta!r}) at "
             f"param={cap.param!r}, where cap_factory's process meets it: cap_factory does not cap "
             f"process_factory; calibrate the process with calibrate(...) instead"

@@ -13,6 +13,7 @@ import math
 from typing import Protocol, runtime_checkable
 
 from opake._checks import positive_finite, real_number
+from opake.errors import ConvergenceError, InvalidArgumentError
 
 
 @runtime_checkable
@@ -39,7 +40,7 @@ def check_delta(delta, name: str = "delta") -> float:
     """``delta`` as a float in the open interval (0, 1), or a ValueError/TypeError saying why not."""
     value = real_number(name, delta)
     if not (0.0 < value < 1.0):
-        raise ValueError(
+        raise InvalidArgumentError(
             f"{name} must be in the open interval (0, 1), got {delta!r}; "
             "a usual choice is 1e-5 or below 1 / (number of protected units)"
         )
@@ -50,7 +51,7 @@ def check_epsilon(epsilon, name: str = "epsilon") -> float:
     """``epsilon`` as a finite float >= 0, or a ValueError/TypeError saying why not."""
     value = real_number(name, epsilon)
     if not (math.isfinite(value) and value >= 0.0):
-        raise ValueError(
+        raise InvalidArgumentError(
             f"{name} must be a finite number >= 0, got {epsilon!r}; "
             "use epsilon=0 for the pure hockey-stick divergence at e^0 = 1"
         )
@@ -110,7 +111,7 @@ def certified_epsilon(delta_of_epsilon, delta: float, epsilon: float, *, upper: 
             break
         value = min(value + step, upper) if value + step > value else math.nextafter(value, math.inf)
         step *= 2.0
-    raise RuntimeError(
+    raise ConvergenceError(
         f"could not certify delta={delta!r}: the delta(epsilon) curve stays above it up to epsilon={value!r}; "
         "this is a bug in the process's delta_at or epsilon_at, please report it"
     )

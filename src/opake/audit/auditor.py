@@ -28,6 +28,7 @@ from opake.audit.canaries import GradientCanaries, InputCanaries, inclusion_coin
 from opake.audit.many_runs import RateBound, epsilon_lower_bound
 from opake.audit.one_run import OneRunBound, one_run_bound
 from opake.audit.training import TrainingRecipe, train_with_canaries
+from opake.errors import InvalidArgumentError, InvalidStateError, InvalidTypeError
 from opake.random import RngKey
 
 __all__ = ["AuditResult", "audit_many_runs", "audit_one_run"]
@@ -123,9 +124,11 @@ def audit_many_runs(recipe: TrainingRecipe, canary, *, runs: int, key: RngKey, c
     _check_key(key)
     confidence = _confidence(confidence)
     if not isinstance(canary, (GradientCanaries, InputCanaries)) or canary.count != 1:
-        raise ValueError("audit_many_runs takes ONE canary: GradientCanaries(1) or InputCanaries of one example")
+        raise InvalidArgumentError(
+            "audit_many_runs takes ONE canary: GradientCanaries(1) or InputCanaries of one example"
+        )
     if isinstance(runs, bool) or not isinstance(runs, (int, np.integer)) or runs < 1:
-        raise ValueError(f"runs must be a positive integer (runs per side), got {runs!r}")
+        raise InvalidArgumentError(f"runs must be a positive integer (runs per side), got {runs!r}")
     start = time.perf_counter()
     scores = {True: [], False: []}
     claims = set()  # (epsilon, delta, sigma) of every run: one plan for all
@@ -136,8 +139,8 @@ def audit_many_runs(recipe: TrainingRecipe, canary, *, runs: int, key: RngKey, c
             scores[present].append(float(run.scores[0]))
             claims.add((run.epsilon, run.delta, run.noise_multiplier))
     if len(claims) != 1:
-        raise RuntimeError(f"the runs were planned with different claims {sorted(claims)}; a many-run audit "
-                           f"needs one plan for all of them")
+        raise InvalidStateError(f"the runs were planned with different claims {sorted(claims)}; a many-run audit "
+                                f"needs one plan for all of them")
     (epsilon, delta, sigma), = claims
     bound = epsilon_lower_bound(scores[True], scores[False], delta=delta, significance=1.0 - confidence,
                                 thresholds=thresholds)
@@ -154,12 +157,14 @@ def audit_many_runs(recipe: TrainingRecipe, canary, *, runs: int, key: RngKey, c
 
 def _check_key(key) -> None:
     if not isinstance(key, RngKey):
-        raise TypeError(f"key must be an opake.random.RngKey (opake.random.key(seed)), got {type(key).__name__}; "
-                        f"an audit never picks a seed itself")
+        raise InvalidTypeError(
+            f"key must be an opake.random.RngKey (opake.random.key(seed)), got {type(key).__name__}; "
+            f"an audit never picks a seed itself"
+        )
 
 
 def _confidence(confidence) -> float:
     confidence = real_number("confidence", confidence)
     if not (0.0 < confidence < 1.0 and math.isfinite(confidence)):
-        raise ValueError(f"confidence must be in (0, 1), e.g. 0.95, got {confidence!r}")
+        raise InvalidArgumentError(f"confidence must be in (0, 1), e.g. 0.95, got {confidence!r}")
     return confidence

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from opake.errors import InvalidArgumentError, InvalidTypeError
 from opake.random import RngKey
 
 __all__ = ["AuditDataset", "AuditedModule", "GradientCanaries", "InputCanaries", "inclusion_coins",
@@ -49,7 +50,7 @@ _INPUT_SCORES = ("loss", "margin")
 
 def _count(value) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"the number of canaries must be a positive integer, got {value!r}")
+        raise InvalidArgumentError(f"the number of canaries must be a positive integer, got {value!r}")
     return int(value)
 
 
@@ -63,7 +64,7 @@ class GradientCanaries:
     def __post_init__(self):
         object.__setattr__(self, "count", _count(self.count))
         if self.score not in _GRADIENT_SCORES:
-            raise ValueError(f"GradientCanaries.score must be one of {_GRADIENT_SCORES}, got {self.score!r}")
+            raise InvalidArgumentError(f"GradientCanaries.score must be one of {_GRADIENT_SCORES}, got {self.score!r}")
 
     @property
     def white_box(self) -> bool:
@@ -86,12 +87,14 @@ class InputCanaries:
 
     def __post_init__(self):
         if not isinstance(self.inputs, torch.Tensor) or not isinstance(self.labels, torch.Tensor):
-            raise TypeError("InputCanaries needs tensors: inputs (count, ...) and labels (count,)")
+            raise InvalidTypeError("InputCanaries needs tensors: inputs (count, ...) and labels (count,)")
         if self.labels.dim() != 1 or self.inputs.shape[0] != self.labels.shape[0] or self.labels.numel() == 0:
-            raise ValueError(f"InputCanaries needs inputs (count, ...) and labels (count,) with count >= 1, got "
-                             f"{tuple(self.inputs.shape)} and {tuple(self.labels.shape)}")
+            raise InvalidArgumentError(
+                f"InputCanaries needs inputs (count, ...) and labels (count,) with count >= 1, got "
+                f"{tuple(self.inputs.shape)} and {tuple(self.labels.shape)}"
+            )
         if self.score not in _INPUT_SCORES:
-            raise ValueError(f"InputCanaries.score must be one of {_INPUT_SCORES}, got {self.score!r}")
+            raise InvalidArgumentError(f"InputCanaries.score must be one of {_INPUT_SCORES}, got {self.score!r}")
 
     @property
     def count(self) -> int:
@@ -116,9 +119,11 @@ def mislabeled_canaries(inputs: torch.Tensor, labels: torch.Tensor, num_classes:
     u_i uniform on 0..num_classes-2, drawn from ``key``.
     """
     if not isinstance(key, RngKey):
-        raise TypeError(f"key must be an opake.random.RngKey (opake.random.key(seed)), got {type(key).__name__}")
+        raise InvalidTypeError(f"key must be an opake.random.RngKey (opake.random.key(seed)), got {type(key).__name__}")
     if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 2:
-        raise ValueError(f"num_classes must be an integer >= 2 (a wrong label must exist), got {num_classes!r}")
+        raise InvalidArgumentError(
+            f"num_classes must be an integer >= 2 (a wrong label must exist), got {num_classes!r}"
+        )
     labels = torch.as_tensor(labels, dtype=torch.long)
     words = np.frombuffer(key.derive_bytes("opake.audit.canaries", ("mislabel", labels.numel()), 8 * labels.numel()),
                           dtype="<u8")
@@ -130,7 +135,7 @@ def inclusion_coins(count: int, key: RngKey) -> np.ndarray:
     """``count`` fair coins (True = the canary is included), one bit of SHAKE-256 output each."""
     count = _count(count)
     if not isinstance(key, RngKey):
-        raise TypeError(f"key must be an opake.random.RngKey (opake.random.key(seed)), got {type(key).__name__}")
+        raise InvalidTypeError(f"key must be an opake.random.RngKey (opake.random.key(seed)), got {type(key).__name__}")
     raw = np.frombuffer(key.derive_bytes("opake.audit.coins", (count,), -(-count // 8)), dtype=np.uint8)
     return np.unpackbits(raw, bitorder="little")[:count].astype(bool)
 
@@ -175,13 +180,15 @@ class AuditDataset(torch.utils.data.Dataset):
 
     def __init__(self, base, canaries, included: np.ndarray):
         if len(base) < 1:
-            raise ValueError("the audited dataset is empty; give the run's training examples")
+            raise InvalidArgumentError("the audited dataset is empty; give the run's training examples")
         first = base[0]
         if not (isinstance(first, (tuple, list)) and len(first) == 2):
-            raise TypeError(f"the audited dataset's items must be (input, label) pairs, got {type(first).__name__}")
+            raise InvalidTypeError(
+                f"the audited dataset's items must be (input, label) pairs, got {type(first).__name__}"
+            )
         included = np.asarray(included, dtype=bool)
         if included.shape != (canaries.count,):
-            raise ValueError(f"need one coin per canary ({canaries.count}), got shape {included.shape}")
+            raise InvalidArgumentError(f"need one coin per canary ({canaries.count}), got shape {included.shape}")
         self.base = base
         self.canaries = canaries
         self.included = included

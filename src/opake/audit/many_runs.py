@@ -33,6 +33,7 @@ import numpy as np
 from scipy import stats
 
 from opake._checks import real_number
+from opake.errors import InvalidArgumentError
 
 __all__ = ["RateBound", "clopper_pearson_upper", "epsilon_lower_bound"]
 
@@ -45,10 +46,10 @@ def clopper_pearson_upper(successes, trials: int, alpha: float):
     """
     alpha = real_number("alpha", alpha)
     if not 0.0 < alpha < 1.0:
-        raise ValueError(f"alpha must be in (0, 1), got {alpha!r}")
+        raise InvalidArgumentError(f"alpha must be in (0, 1), got {alpha!r}")
     counts = np.asarray(successes)
     if np.any(counts < 0) or np.any(counts > trials) or trials < 1:
-        raise ValueError(f"need 0 <= successes <= trials and trials >= 1, got {successes!r} of {trials!r}")
+        raise InvalidArgumentError(f"need 0 <= successes <= trials and trials >= 1, got {successes!r} of {trials!r}")
     below = np.minimum(counts, trials - 1)  # a placeholder where successes == trials (bound 1)
     bound = np.where(counts >= trials, 1.0, stats.beta.isf(alpha, below + 1, trials - below))
     return float(bound) if bound.ndim == 0 else bound
@@ -91,10 +92,10 @@ def epsilon_lower_bound(scores_in, scores_out, *, delta: float, significance: fl
     x_out = _scores("scores_out", scores_out)
     delta = real_number("delta", delta)
     if not 0.0 <= delta < 1.0:
-        raise ValueError(f"delta must be in [0, 1), got {delta!r}")
+        raise InvalidArgumentError(f"delta must be in [0, 1), got {delta!r}")
     significance = real_number("significance", significance)
     if not 0.0 < significance < 1.0:
-        raise ValueError(f"significance (1 - confidence) must be in (0, 1), got {significance!r}")
+        raise InvalidArgumentError(f"significance (1 - confidence) must be in (0, 1), got {significance!r}")
     sorted_in = np.sort(x_in)
     if thresholds is None:
         taus = np.sort(x_out)[::-1]                      # tau_k = the k-th largest OUT score
@@ -102,7 +103,7 @@ def epsilon_lower_bound(scores_in, scores_out, *, delta: float, significance: fl
     else:
         taus = np.asarray(thresholds, dtype=np.float64).ravel()
         if taus.size == 0 or not np.all(np.isfinite(taus)):
-            raise ValueError("thresholds must be a non-empty grid of finite values (fixed before the scores)")
+            raise InvalidArgumentError("thresholds must be a non-empty grid of finite values (fixed before the scores)")
         false_positives = x_out.size - np.searchsorted(np.sort(x_out), taus, side="right")
     alpha = significance / (2 * taus.size)
     false_negatives = np.searchsorted(sorted_in, taus, side="right")   # IN scores <= tau
@@ -125,8 +126,8 @@ def epsilon_lower_bound(scores_in, scores_out, *, delta: float, significance: fl
 def _scores(name: str, values) -> np.ndarray:
     array = np.asarray(values, dtype=np.float64).ravel()
     if array.size == 0:
-        raise ValueError(f"{name} is empty: the many-run audit needs at least one run on each side")
+        raise InvalidArgumentError(f"{name} is empty: the many-run audit needs at least one run on each side")
     if not np.all(np.isfinite(array)):
-        raise ValueError(f"{name} contains NaN or infinity; a diverged run cannot be audited")
+        raise InvalidArgumentError(f"{name} contains NaN or infinity; a diverged run cannot be audited")
     return array
 

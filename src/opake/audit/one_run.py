@@ -55,6 +55,7 @@ import numpy as np
 from scipy import special, stats
 
 from opake._checks import real_number
+from opake.errors import ConvergenceError, InvalidArgumentError, InvalidTypeError
 
 __all__ = ["OneRunBound", "default_guesses", "epsilon_lower_bound", "one_run_bound", "p_value"]
 
@@ -65,21 +66,21 @@ def _counts(canaries, guesses, correct) -> tuple[int, int, int]:
     values = []
     for name, value in (("canaries", canaries), ("guesses", guesses), ("correct", correct)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-            raise TypeError(f"{name} must be an integer count, got {value!r} ({type(value).__name__})")
+            raise InvalidTypeError(f"{name} must be an integer count, got {value!r} ({type(value).__name__})")
         values.append(int(value))
     m, r, v = values
     if not 0 <= v <= r <= m or m < 1:
-        raise ValueError(f"need 0 <= correct <= guesses <= canaries and canaries >= 1, got correct={v}, "
-                         f"guesses={r}, canaries={m}")
+        raise InvalidArgumentError(f"need 0 <= correct <= guesses <= canaries and canaries >= 1, got correct={v}, "
+                                   f"guesses={r}, canaries={m}")
     return m, r, v
 
 
 def _delta(delta, canaries: int) -> float:
     delta = real_number("delta", delta)
     if not 0.0 <= delta < 1.0:
-        raise ValueError(f"delta must be in [0, 1), got {delta!r}")
+        raise InvalidArgumentError(f"delta must be in [0, 1), got {delta!r}")
     if 2.0 * canaries * delta > 1.0:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"the one-run bound needs 2 * canaries * delta <= 1, got 2 * {canaries} * {delta:g} = "
             f"{2 * canaries * delta:g}: its delta term would swamp the bound. Use at most "
             f"{int(0.5 / delta) if delta > 0 else canaries} canaries at this delta"
@@ -98,7 +99,7 @@ def p_value(canaries: int, guesses: int, correct: int, epsilon: float, delta: fl
     delta = _delta(delta, m)
     epsilon = real_number("epsilon", epsilon)
     if not (math.isfinite(epsilon) and epsilon >= 0.0):
-        raise ValueError(f"epsilon must be finite and >= 0, got {epsilon!r}")
+        raise InvalidArgumentError(f"epsilon must be finite and >= 0, got {epsilon!r}")
     if v == 0:
         return 1.0
     q = float(special.expit(epsilon))
@@ -120,14 +121,14 @@ def epsilon_lower_bound(canaries: int, guesses: int, correct: int, delta: float,
     delta = _delta(delta, m)
     beta = real_number("significance", significance)
     if not 0.0 < beta < 1.0:
-        raise ValueError(f"significance (1 - confidence) must be in (0, 1), got {significance!r}")
+        raise InvalidArgumentError(f"significance (1 - confidence) must be in (0, 1), got {significance!r}")
     if p_value(m, r, v, 0.0, delta) > beta:
         return 0.0
     high = 1.0
     while p_value(m, r, v, high, delta) <= beta:  # v = r: p -> 1 as epsilon grows, so this ends
         high *= 2.0
         if high > 1e3:
-            raise RuntimeError("the one-run bound did not stop growing below epsilon = 1000")
+            raise ConvergenceError("the one-run bound did not stop growing below epsilon = 1000")
     low = 0.0
     for _ in range(_BISECTION_STEPS):
         middle = 0.5 * (low + high)
@@ -187,20 +188,20 @@ def one_run_bound(scores, included, *, delta: float, confidence: float = 0.95, g
     scores = np.asarray(scores, dtype=np.float64)
     included = np.asarray(included)
     if scores.ndim != 1 or scores.shape != included.shape or scores.size == 0:
-        raise ValueError(f"need one score and one inclusion flag per canary, got shapes {scores.shape} and "
-                         f"{included.shape}")
+        raise InvalidArgumentError(f"need one score and one inclusion flag per canary, got shapes {scores.shape} and "
+                                   f"{included.shape}")
     if included.dtype != np.bool_:
-        raise TypeError(f"included must hold booleans (the canaries' coins), got dtype {included.dtype}")
+        raise InvalidTypeError(f"included must hold booleans (the canaries' coins), got dtype {included.dtype}")
     if not np.all(np.isfinite(scores)):
-        raise ValueError("the canary scores contain NaN or infinity; a diverged run cannot be audited")
+        raise InvalidArgumentError("the canary scores contain NaN or infinity; a diverged run cannot be audited")
     confidence = real_number("confidence", confidence)
     if not 0.0 < confidence < 1.0:
-        raise ValueError(f"confidence must be in (0, 1), got {confidence!r}")
+        raise InvalidArgumentError(f"confidence must be in (0, 1), got {confidence!r}")
     m = scores.size
     choices = default_guesses(m) if guesses is None else tuple((int(a), int(b)) for a, b in guesses)
     if not choices or any(a < 0 or b < 0 or a + b < 1 or a + b > m for a, b in choices):
-        raise ValueError(f"each guess choice (k_plus, k_minus) needs k_plus, k_minus >= 0 and 1 <= k_plus + "
-                         f"k_minus <= {m} (the canaries), got {choices}")
+        raise InvalidArgumentError(f"each guess choice (k_plus, k_minus) needs k_plus, k_minus >= 0 and 1 <= k_plus + "
+                                   f"k_minus <= {m} (the canaries), got {choices}")
     significance = (1.0 - confidence) / len(choices)
     order = np.lexsort((np.arange(m), -scores))   # descending score, then index
     ranked = included[order]

@@ -47,6 +47,7 @@ from scipy import signal
 from opake._checks import positive_finite
 from opake.audit.canaries import AuditDataset, AuditedModule, GradientCanaries, InputCanaries
 from opake.dpftrl.noise import mf_gaussian_noise
+from opake.errors import InvalidStateError, InvalidTypeError
 from opake.random import RngKey
 from opake.torch import make_private
 
@@ -89,11 +90,11 @@ class TrainingRecipe:
     def __post_init__(self):
         positive_finite("max_grad_norm", self.max_grad_norm)
         if (self.target_epsilon is None) == (self.noise_multiplier is None):
-            raise TypeError("a TrainingRecipe needs exactly one of target_epsilon and noise_multiplier")
+            raise InvalidTypeError("a TrainingRecipe needs exactly one of target_epsilon and noise_multiplier")
         reserved = sorted(set(self.options) & set(_RESERVED))
         if reserved:
-            raise TypeError(f"TrainingRecipe.options cannot set {reserved}: they are fields of the recipe "
-                            f"(or fixed by the audit: key, loss_reduction='mean', one process)")
+            raise InvalidTypeError(f"TrainingRecipe.options cannot set {reserved}: they are fields of the recipe "
+                                   f"(or fixed by the audit: key, loss_reduction='mean', one process)")
         object.__setattr__(self, "options", dict(self.options))
 
 
@@ -129,11 +130,11 @@ def train_with_canaries(recipe: TrainingRecipe, canaries, included, key: RngKey,
                         noise_scale: float = 1.0) -> CanaryRun:
     """Train the recipe once on its data plus the ``included`` canaries; score every canary."""
     if not isinstance(recipe, TrainingRecipe):
-        raise TypeError(f"recipe must be an opake.audit.TrainingRecipe, got {type(recipe).__name__}")
+        raise InvalidTypeError(f"recipe must be an opake.audit.TrainingRecipe, got {type(recipe).__name__}")
     if not isinstance(canaries, (GradientCanaries, InputCanaries)):
-        raise TypeError(f"canaries must be GradientCanaries or InputCanaries, got {type(canaries).__name__}")
+        raise InvalidTypeError(f"canaries must be GradientCanaries or InputCanaries, got {type(canaries).__name__}")
     if not isinstance(key, RngKey):
-        raise TypeError(f"key must be an opake.random.RngKey (opake.random.key(seed)), got {type(key).__name__}")
+        raise InvalidTypeError(f"key must be an opake.random.RngKey (opake.random.key(seed)), got {type(key).__name__}")
     noise_scale = positive_finite("noise_scale", noise_scale)
     start = time.perf_counter()
     included = np.asarray(included, dtype=bool)
@@ -204,7 +205,7 @@ def _replace_noise(private, noise_scale: float, key: RngKey) -> None:
     """The control of the module docstring: the same mechanism at noise_scale * sigma, claim unchanged."""
     optimizer = private.optimizer
     if optimizer.noise_state.step != 0 or optimizer.reduction.world_size > 1:
-        raise RuntimeError("the noise_scale control replaces the engine of a fresh single-process run only")
+        raise InvalidStateError("the noise_scale control replaces the engine of a fresh single-process run only")
     participation = private.plan.participation
     template = {name: p.detach() for name, p in optimizer.parameters.items()}
     noise_fn, noise_state = mf_gaussian_noise(
@@ -213,7 +214,7 @@ def _replace_noise(private, noise_scale: float, key: RngKey) -> None:
         noise_multiplier=private.noise_multiplier * noise_scale, key=key.fold_in("opake.audit.control"),
     )
     if noise_fn.mechanism.fingerprint != private.run.noise_fn.mechanism.fingerprint:
-        raise RuntimeError("the control's engine resolved another mechanism than the run's")
+        raise InvalidStateError("the control's engine resolved another mechanism than the run's")
     private.run.replace_noise(noise_fn, noise_state)
 
 
@@ -238,14 +239,14 @@ class _ReleasedScore:
 
     def record(self, step: int, gradient: torch.Tensor) -> None:
         if step != self.steps:
-            raise RuntimeError(f"released gradients recorded out of order: step {step}, expected {self.steps}")
+            raise InvalidStateError(f"released gradients recorded out of order: step {step}, expected {self.steps}")
         y = gradient.detach().double().flatten().numpy() * self.rescale
         self.projections += np.outer(y, self.columns[step])
         self.steps += 1
 
     def scores(self) -> tuple[np.ndarray, np.ndarray]:
         if self.steps != self.columns.shape[0]:
-            raise RuntimeError(f"the run released {self.steps} of {self.columns.shape[0]} planned steps")
+            raise InvalidStateError(f"the run released {self.steps} of {self.columns.shape[0]} planned steps")
         statistics = self.projections / (self.sigma * np.sqrt(self.norms_squared))[None, :]
         return statistics.max(axis=1), statistics
 

@@ -88,7 +88,7 @@ import torch
 from torch.func import grad, vmap
 
 from opake._checks import positive_finite, real_number
-from opake.errors import OpakeError
+from opake.errors import InvalidArgumentError, InvalidTypeError, OpakeError
 from opake.types import ClippedPytree
 
 __all__ = ["CLIPPING_MODES", "AutomaticClipping", "ClipState", "ClippingRuleError", "FlatClipping", "LossShapeError",
@@ -136,25 +136,25 @@ def _check_batch_argnums(batch_argnums) -> tuple[int, ...]:
     if isinstance(batch_argnums, numbers.Integral) and not isinstance(batch_argnums, bool):
         batch_argnums = (batch_argnums,)
     if not isinstance(batch_argnums, Sequence) or isinstance(batch_argnums, str):
-        raise TypeError(
+        raise InvalidTypeError(
             f"batch_argnums must be an int or a sequence of ints (positions in loss_fn's "
             f"arguments, params is 0), got {batch_argnums!r}"
         )
     result = []
     for position in batch_argnums:
         if isinstance(position, bool) or not isinstance(position, numbers.Integral):
-            raise TypeError(f"batch_argnums must hold ints, got {position!r} ({type(position).__name__})")
+            raise InvalidTypeError(f"batch_argnums must hold ints, got {position!r} ({type(position).__name__})")
         if position < 1:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"batch_argnums holds positions of loss_fn(params, *batch) arguments; position 0 is "
                 f"params, which is never split per example, and negative positions are not "
                 f"allowed; got {position}. Use 1 for the first argument after params"
             )
         result.append(int(position))
     if not result:
-        raise ValueError("batch_argnums is empty: name at least one per-example argument, e.g. (1,)")
+        raise InvalidArgumentError("batch_argnums is empty: name at least one per-example argument, e.g. (1,)")
     if len(set(result)) != len(result):
-        raise ValueError(f"batch_argnums has repeated positions: {tuple(result)}")
+        raise InvalidArgumentError(f"batch_argnums has repeated positions: {tuple(result)}")
     return tuple(sorted(result))
 
 
@@ -166,15 +166,15 @@ def _checked_params(params):
     """Params with every leaf detached (plain tensors for torch.func); leaves must be real floats."""
     paths, leaves, spec = optree.tree_flatten_with_path(params)
     if not leaves:
-        raise ValueError("params holds no tensors; pass a tensor or a dict/list/tuple of tensors")
+        raise InvalidArgumentError("params holds no tensors; pass a tensor or a dict/list/tuple of tensors")
     for path, leaf in zip(paths, leaves):
         if not isinstance(leaf, torch.Tensor):
-            raise TypeError(
+            raise InvalidTypeError(
                 f"params leaves must be torch.Tensor; the leaf at {_leaf_name(path)!r} is "
                 f"{type(leaf).__name__}. For an nn.Module pass dict(model.named_parameters())"
             )
         if not leaf.dtype.is_floating_point:
-            raise TypeError(
+            raise InvalidTypeError(
                 f"params leaf {_leaf_name(path)!r} has dtype {leaf.dtype}; gradients need real "
                 f"floating-point parameters. Pass integer or frozen tensors as a non-batched argument"
             )
@@ -186,25 +186,25 @@ def _batch_size(args, batch_argnums) -> int:
     for position in batch_argnums:
         paths, leaves, _ = optree.tree_flatten_with_path(args[position - 1])
         if not leaves:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"per-example argument {position} holds no tensors; it cannot be split into examples"
             )
         for path, leaf in zip(paths, leaves):
             where = f"argument {position}" + (f" at {_leaf_name(path)!r}" if path else "")
             if not isinstance(leaf, torch.Tensor):
-                raise TypeError(
+                raise InvalidTypeError(
                     f"per-example {where} is {type(leaf).__name__}, not a tensor; pass constants "
                     f"in an argument that is not listed in batch_argnums"
                 )
             if leaf.dim() == 0:
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"per-example {where} is a 0-dim tensor; per-example arguments are split "
                     f"along dim 0, so they need a leading batch dimension"
                 )
             sizes[where] = leaf.shape[0]
     if len(set(sizes.values())) > 1:
         listed = ", ".join(f"{where}: {size}" for where, size in sizes.items())
-        raise ValueError(f"per-example arguments disagree on the batch size (dim 0): {listed}")
+        raise InvalidArgumentError(f"per-example arguments disagree on the batch size (dim 0): {listed}")
     return next(iter(sizes.values()))
 
 
@@ -462,7 +462,7 @@ def clipped_grad(
       A batch of size 0 gives zeros (``loss_fn`` is not called).
     """
     if not callable(loss_fn):
-        raise TypeError(
+        raise InvalidTypeError(
             f"loss_fn must be callable as loss_fn(params, *batch), got {type(loss_fn).__name__}"
         )
     rule = clipping_rule(clipping_norm, "clipping_norm", clipping)
@@ -470,7 +470,7 @@ def clipped_grad(
     normalization = 1.0 if normalize_by is None else positive_finite("normalize_by", normalize_by)
     batch_argnums = _check_batch_argnums(batch_argnums)
     if nonfinite not in NONFINITE_MODES:
-        raise ValueError(f"nonfinite must be one of {NONFINITE_MODES}, got {nonfinite!r}")
+        raise InvalidArgumentError(f"nonfinite must be one of {NONFINITE_MODES}, got {nonfinite!r}")
 
     def example_loss(params, *args):
         loss = loss_fn(params, *args)
@@ -487,13 +487,13 @@ def clipped_grad(
 
     def grad_fn(params, *args, state: ClipState):
         if not isinstance(state, ClipState):
-            raise TypeError(
+            raise InvalidTypeError(
                 f"state must be the ClipState returned by clipped_grad or by the previous call, "
                 f"got {type(state).__name__}"
             )
         last = batch_argnums[-1]
         if last > len(args):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"batch_argnums {batch_argnums} refers to argument {last} of loss_fn, but grad_fn "
                 f"got only {len(args)} argument(s) after params"
             )

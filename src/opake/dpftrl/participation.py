@@ -5,12 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from opake._checks import integer_at_least
+from opake.errors import InvalidArgumentError
 
 
 def _positive_int(name: str, value, upper: int | None = None, upper_name: str = "") -> int:
     value = integer_at_least(name, value)
     if upper is not None and value > upper:
-        raise ValueError(f"{name} must be <= {upper_name} ({upper}), got {value}")
+        raise InvalidArgumentError(f"{name} must be <= {upper_name} ({upper}), got {value}")
     return value
 
 

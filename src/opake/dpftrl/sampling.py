@@ -60,7 +60,7 @@ import torch.utils.data
 
 from opake._checks import integer_at_least
 from opake.dpftrl.participation import Participation
-from opake.errors import OpakeError
+from opake.errors import InvalidArgumentError, InvalidTypeError, OpakeError
 from opake.dpftrl.unit_ids import LookAlikeIdsWarning, NaNIdError, UncomparableIdError, unit_numbers
 from opake.random import RngKey
 
@@ -82,9 +82,13 @@ _REMOVED = {
 }
 
 
+class RemovedSamplerError(OpakeError, ImportError):
+    """A sampler that opake no longer has was imported; the message says why and what to use instead."""
+
+
 def __getattr__(name: str):
     if name in _REMOVED:
-        raise ImportError(_REMOVED[name])
+        raise RemovedSamplerError(_REMOVED[name])
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -94,7 +98,7 @@ def __getattr__(name: str):
 
 def _check_key(value) -> RngKey:
     if not isinstance(value, RngKey):
-        raise TypeError(
+        raise InvalidTypeError(
             f"key must be an opake.random.RngKey, got {value!r} ({type(value).__name__}); make "
             f"one with opake.random.key(seed) from an explicit integer seed (samplers never "
             f"choose a seed themselves)"
@@ -104,7 +108,7 @@ def _check_key(value) -> RngKey:
 
 def _check_at_most(name: str, value: int, bound_name: str, bound: int, advice: str) -> None:
     if value > bound:
-        raise ValueError(f"{name} ({value}) must be <= {bound_name} ({bound}); {advice}")
+        raise InvalidArgumentError(f"{name} ({value}) must be <= {bound_name} ({bound}); {advice}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -206,7 +210,7 @@ class _CyclicSampler:
         n_steps = integer_at_least("n_steps", n_steps, 1)
         min_sep = self._min_sep()
         if min_sep > n_steps:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"n_steps ({n_steps}) must be >= min_sep ({min_sep}) of this {type(self).__name__}: "
                 f"with fewer steps some bins/groups are never processed. Train for at least "
                 f"{min_sep} steps or use fewer bins/groups"
@@ -330,13 +334,13 @@ def sampled_loader_options(sampler, dataset, loader_options: dict, caller: str, 
     is refused first (``require_map_style``)."""
     require_map_style(dataset, caller)
     if len(dataset) != sampler.num_examples:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"the dataset has {len(dataset)} examples but the {type(sampler).__name__} was built for "
             f"num_examples={sampler.num_examples}; build it with num_examples=len(dataset)"
         )
     conflicting = sorted({"batch_size", "shuffle", "sampler", "batch_sampler", "drop_last"} & set(loader_options))
     if conflicting:
-        raise TypeError(
+        raise InvalidTypeError(
             f"{caller} does not take {conflicting}: the batches come from the plan's sampler, whose "
             f"participation the accountant priced; {advice}"
         )
@@ -360,7 +364,7 @@ def collate_allowing_empty(example):
     template = torch.utils.data.default_collate([example])
     leaves = optree.tree_leaves(template, none_is_leaf=True)
     if not all(isinstance(leaf, torch.Tensor) for leaf in leaves):
-        raise TypeError(
+        raise InvalidTypeError(
             "collate_allowing_empty needs examples whose collated leaves are all tensors (tensors, "
             "numbers, numpy arrays, in tuples/lists/dicts); write a collate_fn that handles an "
             "empty batch for this dataset"
@@ -474,10 +478,10 @@ class CyclicPoissonSampler(_CyclicSampler):
         _check_at_most("num_groups", num_groups, "num_examples", num_examples, "every group needs an example")
         rate = self.sample_rate
         if isinstance(rate, bool) or not isinstance(rate, numbers.Real):
-            raise TypeError(f"sample_rate must be a real number, got {rate!r} ({type(rate).__name__})")
+            raise InvalidTypeError(f"sample_rate must be a real number, got {rate!r} ({type(rate).__name__})")
         rate = float(rate)
         if not (0.0 < rate <= 1.0):
-            raise ValueError(f"sample_rate must be in (0, 1], got {rate!r}")
+            raise InvalidArgumentError(f"sample_rate must be in (0, 1], got {rate!r}")
         key = _check_key(self.key)
         groups = _uniform_below(key, ("cyclic_poisson.groups", num_groups), num_examples, num_groups)
         order, offsets = _grouped(groups, num_groups)
@@ -495,7 +499,9 @@ class CyclicPoissonSampler(_CyclicSampler):
         from opake.dpftrl.accounting.poisson import UnsupportedAmplificationError, strategy_bands
 
         if method is not None and AccountingMethod(method) is not AccountingMethod.POISSON_PLD:
-            raise ValueError(f"cyclic Poisson sampling is priced by method='pld' (Band23 Thm 4), got {method!r}")
+            raise InvalidArgumentError(
+                f"cyclic Poisson sampling is priced by method='pld' (Band23 Thm 4), got {method!r}"
+            )
         bands = strategy_bands(strategy)
         if bands > self.num_groups:
             raise UnsupportedAmplificationError(
@@ -562,10 +568,12 @@ class PrivacyUnits:
                 "sample. Pass the training data and one id per example"
             )
         if units.ndim != 1 or units.size == 0 or not np.issubdtype(units.dtype, np.integer) or units.min() < 0:
-            raise ValueError("unit_of_example must be a non-empty 1-D array of non-negative unit numbers")
+            raise InvalidArgumentError("unit_of_example must be a non-empty 1-D array of non-negative unit numbers")
         order, offsets = _grouped(units.astype(np.int64), int(units.max()) + 1)
         if np.any(offsets[1:] == offsets[:-1]):
-            raise ValueError("unit numbers must be 0 .. num_units - 1 with no gap (use PrivacyUnits.from_ids)")
+            raise InvalidArgumentError(
+                "unit numbers must be 0 .. num_units - 1 with no gap (use PrivacyUnits.from_ids)"
+            )
         for name, value in (("unit_of_example", _frozen(units.astype(np.int64))), ("_order", order),
                             ("_offsets", offsets)):
             object.__setattr__(self, name, value)
@@ -617,11 +625,13 @@ class UnitSampler(_CyclicSampler):
 
     def __init__(self, unit_sampler, units: PrivacyUnits):
         if not isinstance(unit_sampler, (BallsInBinsSampler, CyclicPoissonSampler)):
-            raise TypeError(f"unit_sampler must be a BallsInBinsSampler or CyclicPoissonSampler, "
-                            f"got {type(unit_sampler).__name__}")
+            raise InvalidTypeError(f"unit_sampler must be a BallsInBinsSampler or CyclicPoissonSampler, "
+                                   f"got {type(unit_sampler).__name__}")
         if unit_sampler.num_examples != units.num_units:
-            raise ValueError(f"the unit sampler was built for {unit_sampler.num_examples} units, the data have "
-                             f"{units.num_units}; build it with num_examples=units.num_units")
+            raise InvalidArgumentError(
+                f"the unit sampler was built for {unit_sampler.num_examples} units, the data have "
+                f"{units.num_units}; build it with num_examples=units.num_units"
+            )
         self.unit_sampler = unit_sampler
         self.units = units
 

@@ -21,7 +21,7 @@ import warnings
 import numpy as np
 import torch
 
-from opake.errors import OpakeError
+from opake.errors import InvalidArgumentError, OpakeError
 
 __all__ = ["LookAlikeIdsWarning", "NaNIdError", "UncomparableIdError", "unit_numbers"]
 
@@ -62,8 +62,8 @@ def _id_keys(ids) -> tuple[list, frozenset, bool]:
     """
     if isinstance(ids, (torch.Tensor, np.ndarray)):
         if ids.ndim == 0:
-            raise ValueError(f"privacy unit ids must hold one id per example along their first dimension, "
-                             f"got a 0-d {type(ids).__name__}")
+            raise InvalidArgumentError(f"privacy unit ids must hold one id per example along their first dimension, "
+                                       f"got a 0-d {type(ids).__name__}")
         values = ids.tolist()
     else:
         values = list(ids)

@@ -60,7 +60,7 @@ from dataclasses import dataclass
 
 import torch
 
-from opake.errors import OpakeError
+from opake.errors import InvalidTypeError, OpakeError
 
 __all__ = ["DPAdamW", "MissingNoiseVarianceError", "NOISE_FLOOR", "NoiseCorrection", "NoiseCorrectionError",
            "corrected_adam_step", "corrected_second_moment", "noise_correction_for", "noise_variance_average"]
@@ -148,7 +148,7 @@ class DPAdamW(torch.optim.AdamW):
                 )
         unknown = sorted(set(options) - set(_REFUSED_OPTIONS) - {"foreach"})
         if unknown:
-            raise TypeError(f"DPAdamW got unexpected keyword arguments {unknown}")
+            raise InvalidTypeError(f"DPAdamW got unexpected keyword arguments {unknown}")
         floor = _checked_floor(variance_floor)
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                          foreach=options.get("foreach"))
@@ -284,7 +284,9 @@ def noise_correction_for(optimizer: torch.optim.Optimizer, requested: bool | Non
     which is refused (give a ``torch.optim.AdamW`` to train without the correction).
     """
     if requested is not None and not isinstance(requested, bool):
-        raise TypeError(f"noise_correction must be None (on for Adam and AdamW), True or False, got {requested!r}")
+        raise InvalidTypeError(
+            f"noise_correction must be None (on for Adam and AdamW), True or False, got {requested!r}"
+        )
     if isinstance(optimizer, DPAdamW):
         if requested is False:
             raise NoiseCorrectionError(

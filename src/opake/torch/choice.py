@@ -57,6 +57,7 @@ from opake.dpftrl.accounting.band_choice import (PLD_DISCRETIZATION, BandCandida
 from opake.dpftrl.accounting.methods import AccountingMethod
 from opake.dpftrl.noise import blt_strategy, identity_strategy
 from opake.progress import Progress
+from opake.torch.planning import PlanError
 from opake.torch.workload import Workload, strategy_for_optimizer, workload_of
 
 __all__ = ["MAX_STATE_ROWS", "Candidate", "MechanismChoice", "choose_mechanism"]
@@ -188,7 +189,7 @@ def choose_mechanism(
     run = DatasetRun(num_examples, batch_size, epochs)
     budget = acc.epsilon_budget(target_epsilon, target_delta)
     if sampling is not None and sampling not in _SAMPLINGS:
-        raise ValueError(f"sampling must be None (any), or one of {_SAMPLINGS}, got {sampling!r}")
+        raise PlanError(f"sampling must be None (any), or one of {_SAMPLINGS}, got {sampling!r}")
     kinds = _kinds(strategy, sampling)
     if max_state_rows is not None:
         max_state_rows = integer_at_least("max_state_rows", max_state_rows, minimum=0)
@@ -225,7 +226,7 @@ def _kinds(strategy, sampling) -> set:
         kinds = {"blt"} if bands is None else ({"poisson", "bins"} if bands == 1 else {"bandmf"})
     allowed = {None: kinds, "poisson": {"poisson", "bandmf"}, "balls_in_bins": {"blt", "bins"}}[sampling]
     if not kinds & allowed:
-        raise ValueError(
+        raise PlanError(
             f"strategy={strategy!r} with sampling={sampling!r} has no accounting proven for adaptive gradients: "
             f"Poisson amplification is proven for banded strategies only (identity_strategy, band_mf_strategy), "
             f"and BandMF with several bands runs with cyclic Poisson sampling; run a BLT on balls in bins "

@@ -43,7 +43,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
-from opake.errors import OpakeError
+from opake.errors import InvalidArgumentError, OpakeError
 
 __all__ = ["DirectStepError", "ForeignOptimizerError", "GradientGuard"]
 
@@ -77,7 +77,7 @@ class GradientGuard:
     def __init__(self, parameters: dict, wrapped: torch.optim.Optimizer, autograd_parameters: dict | None = None):
         owned = [name for name, p in parameters.items() if _owner(p) is not None]
         if owned:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"parameters {owned[:3]} already belong to another private run; call that run's detach() "
                 f"(private.detach()) before planning a new one on them"
             )

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from opake.errors import OpakeError
+from opake.errors import InvalidArgumentError, OpakeError
 
 __all__ = ["PerExampleLoss", "UnsupportedLossError", "is_hugging_face_model", "loss_form",
            "per_example_classification_loss", "token_mean_per_example"]
@@ -62,8 +62,8 @@ def token_mean_per_example(logits: torch.Tensor, labels: torch.Tensor, *, shift:
     does; ``shift=False`` (masked LM, token classification) scores them against label t.
     """
     if logits.dim() != 3 or labels.shape != logits.shape[:2]:
-        raise ValueError(f"expected logits (B, T, V) and labels (B, T), got {tuple(logits.shape)} and "
-                         f"{tuple(labels.shape)}")
+        raise InvalidArgumentError(f"expected logits (B, T, V) and labels (B, T), got {tuple(logits.shape)} and "
+                                   f"{tuple(labels.shape)}")
     if shift:
         logits, labels = logits[:, :-1], labels[:, 1:]
     labels = labels.to(logits.device)
@@ -131,7 +131,7 @@ def loss_form(module: nn.Module, loss_reduction: str) -> str:
     per-example loss that ``PerExampleLoss`` installs, or the caller's loss, reduced as
     ``loss_reduction`` says ("mean" or "sum" over the batch's examples)."""
     if loss_reduction not in _USER_LOSS:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"loss_reduction must be one of {tuple(_USER_LOSS)} (how the loss combines the examples' "
             f"losses over the batch dimension), got {loss_reduction!r}"
         )

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import torch
 
+from opake.errors import InvalidTypeError
 from opake.torch.adamw import NoiseCorrection, corrected_adam_step
 from opake.torch.contract import PlanChangedError
 from opake.torch.guard import DirectStepError, ForeignOptimizerError, GradientGuard
@@ -167,7 +168,7 @@ class DPOptimizer(torch.optim.Optimizer):
     def step(self, closure=None):
         """Noise the clipped sum of the examples since ``zero_grad`` and take the optimizer step."""
         if closure is not None:
-            raise TypeError(
+            raise InvalidTypeError(
                 "DPOptimizer.step does not take a closure: a closure re-evaluates the loss, which "
                 "would release gradients without noise; call loss.backward() before step()"
             )

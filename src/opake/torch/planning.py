@@ -67,12 +67,14 @@ from opake.dpftrl.noise import blt_strategy
 from opake.dpftrl.participation import Participation
 from opake.dpftrl.sampling import (BallsInBinsSampler, CyclicPoissonSampler, PrivacyUnits, UnitSampler,
                                    steps_per_epoch_of)
+from opake.errors import InvalidTypeError, OpakeError
 from opake.progress import Progress, calibration_reporter
 from opake.random import RngKey
 from opake.torch.privacy_units import description, privacy_units
 from opake.torch.workload import strategy_for_optimizer
 
-__all__ = ["SAMPLINGS", "PrivacyPlan", "plan_privacy", "strategy_for_optimizer"]  # the last from workload
+# strategy_for_optimizer is workload's, re-exported
+__all__ = ["SAMPLINGS", "PlanError", "PrivacyPlan", "plan_privacy", "strategy_for_optimizer"]
 
 SAMPLINGS = ("balls_in_bins", "poisson")
 _SIGMA_RANGE = (1e-3, 1e4)
@@ -80,6 +82,11 @@ _SIGMA_RANGE = (1e-3, 1e4)
 # one evaluation takes about 1.5 s at 0.5, 9 s at 0.2 and 45 s at 0.1 (600 compositions, one
 # core). Calibration searches near a guess and no lower than 0.25 column norms.
 _POISSON_FLOOR = 0.25
+
+
+class PlanError(OpakeError, ValueError):
+    """A request no plan can meet (an unknown sampling, a budget no noise multiplier reaches, a sample
+    rate above 1); raised by ``plan_privacy`` before anything is built."""
 
 
 @dataclass(frozen=True)
@@ -214,11 +221,11 @@ def plan_privacy(
     _check_sampling(sampling, amplification)
     clipping = clipping_rule(max_grad_norm, mode=clipping)
     if target_delta is None:
-        raise TypeError("make_private needs target_delta (e.g. 1e-5, below 1 / len(dataset))")
+        raise InvalidTypeError("make_private needs target_delta (e.g. 1e-5, below 1 / len(dataset))")
     if (target_epsilon is None) == (noise_multiplier is None):
-        raise TypeError("give exactly one of target_epsilon (calibrate the noise) and noise_multiplier")
+        raise InvalidTypeError("give exactly one of target_epsilon (calibrate the noise) and noise_multiplier")
     if not isinstance(key, RngKey):
-        raise TypeError(f"key must be an opake.random.RngKey (opake.random.key(seed)), got {type(key).__name__}")
+        raise InvalidTypeError(f"key must be an opake.random.RngKey (opake.random.key(seed)), got {type(key).__name__}")
     units = privacy_units(privacy_unit, num_examples)
     num_drawn = num_examples if units is None else units.num_units
     steps_per_epoch = steps_per_epoch_of(num_drawn, batch_size, users=units is not None)
@@ -232,7 +239,7 @@ def plan_privacy(
                                       target_epsilon=target_epsilon, target_delta=target_delta, optimizer=optimizer,
                                       lr_scheduler=lr_scheduler, sampling=sampling, progress=progress)
         except acc.CalibrationRangeError as error:
-            raise ValueError(
+            raise PlanError(
                 f"target_epsilon={target_epsilon} at delta={target_delta} cannot be met by any mechanism for this "
                 f"run ({epochs} epoch(s) of {steps_per_epoch} steps) with a noise multiplier in "
                 f"({_SIGMA_RANGE[0]:g}, {_SIGMA_RANGE[1]:g}): {error}. Raise the budget, or train fewer epochs"
@@ -258,11 +265,11 @@ def plan_privacy(
 
 def _check_sampling(sampling, amplification) -> None:
     if sampling is not None and sampling not in SAMPLINGS:
-        raise ValueError(f"sampling must be one of {SAMPLINGS}, got {sampling!r}")
+        raise PlanError(f"sampling must be one of {SAMPLINGS}, got {sampling!r}")
     if amplification is not None and not isinstance(amplification, bool):
-        raise TypeError(f"amplification must be None (the proven default), True or False, got {amplification!r}")
+        raise InvalidTypeError(f"amplification must be None (the proven default), True or False, got {amplification!r}")
     if sampling == "poisson" and amplification is False:
-        raise ValueError(
+        raise PlanError(
             "amplification=False applies to sampling='balls_in_bins'; cyclic Poisson sampling is always "
             "priced with its amplification (Band23 Thm 4). For an unamplified bound use "
             "sampling='balls_in_bins', amplification=False"
@@ -298,7 +305,7 @@ def _poisson_groups(strategy) -> int:
 def _poisson_rate(batch_size: int, groups: int, num_examples: int, counted: str = "len(dataset)") -> float:
     """q = batch_size * g / num_examples: a served group of ~num_examples/g units yields ~batch_size."""
     if batch_size * groups > num_examples:
-        raise ValueError(
+        raise PlanError(
             f"sampling='poisson' with {groups} group(s) and batch_size={batch_size} needs a sample rate "
             f"batch_size * groups / {counted} = {batch_size * groups}/{num_examples} > 1; use at most "
             f"{num_examples // batch_size} bands or a batch size of at most {num_examples // groups}"
@@ -310,7 +317,7 @@ def _check_amplifiable(sampler, strategy, n_steps: int) -> None:
     """Refuse, with the fix, a strategy the amplified balls-in-bins bound does not cover: its
     dominating pair is the worst case only for a strategy matrix C >= 0 entrywise (bin_gram.py)."""
     if not has_non_negative_entries(sampler.accountant(strategy, n_steps, AccountingMethod.RIGOROUS)(1.0)):
-        raise ValueError(
+        raise PlanError(
             "amplification=True prices balls-in-bins sampling with the amplified Renyi bound, which holds "
             "only for a strategy matrix with non-negative entries, and this strategy's has a negative one. "
             "Pass amplification=False (the unamplified bound), or a strategy without negative coefficients"
@@ -414,12 +421,12 @@ def _calibrate_noise(accountant, participation, budget, target_epsilon, target_d
                 result = acc.calibrate(budget, accountant, low, high, on_evaluation=report)
     except acc.CalibrationRangeError as error:
         if method is AccountingMethod.POISSON_PLD and error.end == "min":
-            raise ValueError(
+            raise PlanError(
                 f"target_epsilon={target_epsilon} at delta={target_delta} is met with a noise multiplier "
                 f"below {low:.4g} under Poisson sampling, where the PLD accounting gets too costly to "
                 f"calibrate; pass noise_multiplier= (at least {low:.4g}) instead of target_epsilon"
             ) from None
-        raise ValueError(
+        raise PlanError(
             f"target_epsilon={target_epsilon} at delta={target_delta} cannot be met for this plan "
             f"({participation}) with a noise multiplier in ({low:.4g}, {high:g}): {error}. Raise the "
             f"budget, or train fewer epochs"

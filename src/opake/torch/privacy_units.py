@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from opake.dpftrl.sampling import LookAlikeIdsWarning, NaNIdError, PrivacyUnits, UncomparableIdError
+from opake.errors import InvalidArgumentError, InvalidTypeError
 
 __all__ = ["LookAlikeIdsWarning", "NaNIdError", "UncomparableIdError", "description", "privacy_units"]
 
@@ -58,8 +59,8 @@ def privacy_units(privacy_unit, num_examples: int) -> PrivacyUnits | None:
     else:
         units = PrivacyUnits.from_ids(_one_id_per_example(privacy_unit, num_examples))
     if units.num_examples != num_examples:
-        raise ValueError(f"privacy_unit assigns {units.num_examples} examples to units but the dataset has "
-                         f"{num_examples}; build PrivacyUnits from one id per example of this dataset")
+        raise InvalidArgumentError(f"privacy_unit assigns {units.num_examples} examples to units but the dataset has "
+                                   f"{num_examples}; build PrivacyUnits from one id per example of this dataset")
     return units
 
 
@@ -67,24 +68,24 @@ def _one_id_per_example(privacy_unit, num_examples: int):
     """``privacy_unit`` as a sequence (a list, or a tensor or array, rows being examples) of exactly
     ``num_examples`` ids; the ids themselves are read by ``PrivacyUnits.from_ids``."""
     if isinstance(privacy_unit, (str, bytes)):
-        raise TypeError(
+        raise InvalidTypeError(
             f"privacy_unit takes one id per example (a list, array or column of user ids), got the string "
             f"{privacy_unit!r}; pass the ids themselves, e.g. privacy_unit=dataset['user_id']"
         )
     if isinstance(privacy_unit, (torch.Tensor, np.ndarray)):
         if privacy_unit.ndim == 0:
-            raise ValueError(f"privacy_unit must hold one id per example (one per row), got a 0-d "
-                             f"{type(privacy_unit).__name__}")
+            raise InvalidArgumentError(f"privacy_unit must hold one id per example (one per row), got a 0-d "
+                                       f"{type(privacy_unit).__name__}")
         ids = privacy_unit
     else:
         try:
             ids = list(privacy_unit)
         except TypeError:
-            raise TypeError(f"privacy_unit must be None, a sequence of one id per example or an "
-                            f"opake.dpftrl.sampling.PrivacyUnits, got {type(privacy_unit).__name__}") from None
+            raise InvalidTypeError(f"privacy_unit must be None, a sequence of one id per example or an "
+                                   f"opake.dpftrl.sampling.PrivacyUnits, got {type(privacy_unit).__name__}") from None
     if len(ids) != num_examples:
-        raise ValueError(f"privacy_unit has {len(ids)} ids but the dataset has {num_examples} examples; give "
-                         f"one id (the user of that example) per example, in the dataset's order")
+        raise InvalidArgumentError(f"privacy_unit has {len(ids)} ids but the dataset has {num_examples} examples; give "
+                                   f"one id (the user of that example) per example, in the dataset's order")
     return ids
 
 

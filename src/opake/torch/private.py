@@ -54,6 +54,7 @@ from opake.dpftrl.noise.distributed.ownership import OWNERSHIP_MODES, balanced_o
 from opake.dpftrl.noise.engine.layout import Layout
 from opake.dpftrl.sampling import require_map_style, sampled_loader_options
 from opake.dpftrl.strategies.prefix import PrefixStrategy
+from opake.errors import InvalidArgumentError, InvalidTypeError
 from opake.random import RngKey
 from opake.torch.adamw import NoiseCorrection, noise_correction_for
 from opake.torch.checkpoint import (FORMAT, VERSION, CheckpointError, check_checkpoint, check_module_state,
@@ -402,23 +403,23 @@ def _plan_digest(plan: PrivacyPlan) -> str:
 def _check_attachable(module, optimizer, process_group, privacy_unit, ownership=None):
     """Refuse what cannot carry a plan (before planning); return the run's reduction."""
     if not isinstance(module, nn.Module):
-        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+        raise InvalidTypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
     require_uncompiled(module)  # torch.compile cannot trace the per-example hooks
     if isinstance(module, nn.parallel.DistributedDataParallel):
-        raise TypeError(
+        raise InvalidTypeError(
             "pass the plain module, not DistributedDataParallel(module): make_private reduces the clipped "
             "per-example gradients across ranks itself (DDP would average unclipped gradients)"
         )
     _refuse_second_plan(module)
     if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(optimizer, DPOptimizer):
-        raise TypeError(f"optimizer must be a plain torch.optim.Optimizer over the module's parameters, "
-                        f"got {type(optimizer).__name__}")
+        raise InvalidTypeError(f"optimizer must be a plain torch.optim.Optimizer over the module's parameters, "
+                               f"got {type(optimizer).__name__}")
     require_valid_model(module)
     parameters = trainable_parameters(module)
     _check_optimizer_covers(optimizer, module, parameters)
     reduction = _reduction(process_group, parameters, ownership)
     if privacy_unit is not None and reduction.world_size > 1:
-        raise ValueError(
+        raise InvalidArgumentError(
             "privacy_unit is not supported under torch.distributed: ranks serve their part of a batch row by "
             "row, which could split one user's examples across ranks (each rank would clip its part on its "
             "own). Train user-level runs in one process"
@@ -432,16 +433,18 @@ def _reduction(process_group, parameters: dict, ownership: str | None):
     rank, world_size = _rank_and_world(process_group)
     if any(_is_dtensor(p) for p in parameters.values()):
         if ownership is not None:
-            raise ValueError("ownership= chooses who noises what in a replicated run; a sharded (FSDP2) model's "
-                             "ranks each noise their own shards: drop ownership=")
+            raise InvalidArgumentError(
+                "ownership= chooses who noises what in a replicated run; a sharded (FSDP2) model's "
+                "ranks each noise their own shards: drop ownership="
+            )
         return Sharded(parameters, process_group, rank, world_size)
     if world_size == 1:
         return SingleProcess()
     if ownership is None:
         ownership = balanced_ownership(Layout.from_template(parameters), world_size)
     if ownership not in OWNERSHIP_MODES:
-        raise ValueError(f"ownership must be None (balanced automatically) or one of {OWNERSHIP_MODES}, got "
-                         f"{ownership!r}")
+        raise InvalidArgumentError(f"ownership must be None (balanced automatically) or one of {OWNERSHIP_MODES}, got "
+                                   f"{ownership!r}")
     return Replicated(process_group, rank, world_size, ownership, device=_device_of(parameters))
 
 
@@ -463,12 +466,12 @@ def _check_optimizer_covers(optimizer, module, parameters: dict) -> None:
     foreign = optimized - {id(p) for p in module.parameters()}
     missing = [name for name, p in parameters.items() if id(p) not in optimized]
     if foreign:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"the optimizer holds {len(foreign)} parameter(s) that are not parameters of the module; "
             f"build the optimizer from this module's parameters (module.parameters())"
         )
     if missing:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"the module's trainable parameters {missing[:5]} are not in the optimizer; add them, or "
             f"freeze them (requires_grad_(False)) so that they get no noise"
         )
@@ -478,7 +481,7 @@ def _refuse_second_plan(module) -> None:
     """A module already made private carries the first run's hooks: a second set would clip twice."""
     first = getattr(module, _MARK, None)
     if first is not None and first() is not None:
-        raise ValueError(
+        raise InvalidArgumentError(
             "make_private was already called on this module, whose hooks clip for that first run; use the "
             "first call's result, or call its detach() (private.detach()) before planning a new run"
         )

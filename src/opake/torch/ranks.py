@@ -29,7 +29,7 @@ import optree
 import torch
 
 from opake.dpftrl.noise.distributed.agreement import RankDisagreementError, disagreements
-from opake.errors import OpakeError
+from opake.errors import InvalidArgumentError, OpakeError
 from opake.random import RngKey, key as make_key
 
 __all__ = ["LauncherWorldError", "RankDisagreementError", "agree", "broadcast_module", "dataset_digest",
@@ -76,7 +76,7 @@ def rank_and_world(process_group) -> tuple[int, int]:
 
     if not (dist.is_available() and dist.is_initialized()):
         if process_group is not None:
-            raise ValueError("process_group was given but torch.distributed is not initialized")
+            raise InvalidArgumentError("process_group was given but torch.distributed is not initialized")
         return 0, 1
     return dist.get_rank(process_group), dist.get_world_size(process_group)
 

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.nn.utils.rnn import PackedSequence
 
-from opake.errors import OpakeError
+from opake.errors import InvalidArgumentError, InvalidTypeError, OpakeError
 
 __all__ = ["DPGRU", "DPLSTM", "DPRNN", "UnsupportedRecurrentInputError", "from_module", "from_parameters"]
 
@@ -57,7 +57,7 @@ class _Recurrent(nn.Module):
             )
         if self.mode == "RNN":
             if nonlinearity not in ("tanh", "relu"):
-                raise ValueError(f"nonlinearity must be 'tanh' or 'relu', got {nonlinearity!r}")
+                raise InvalidArgumentError(f"nonlinearity must be 'tanh' or 'relu', got {nonlinearity!r}")
             self.mode = "RNN_TANH" if nonlinearity == "tanh" else "RNN_RELU"
         self.input_size, self.hidden_size, self.num_layers = int(input_size), int(hidden_size), int(num_layers)
         self.bias, self.batch_first, self.bidirectional = bool(bias), bool(batch_first), bool(bidirectional)
@@ -175,7 +175,7 @@ def from_module(rnn: nn.RNNBase) -> _Recurrent:
     """The ``DPLSTM``/``DPGRU``/``DPRNN`` computing what ``rnn`` computes, with its weights copied."""
     kind = _REPLACEMENTS.get(type(rnn))
     if kind is None:
-        raise TypeError(f"from_module takes an nn.LSTM, nn.GRU or nn.RNN, got {type(rnn).__name__}")
+        raise InvalidTypeError(f"from_module takes an nn.LSTM, nn.GRU or nn.RNN, got {type(rnn).__name__}")
     return from_parameters(kind, rnn)
 
 

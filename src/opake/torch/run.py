@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from opake.dpftrl.noise.engine.state import NoiseState
+from opake.errors import InvalidStateError
 from opake.torch.loader import PlannedBatches
 
 __all__ = ["PrivateRun", "RunState"]
@@ -85,6 +86,6 @@ class PrivateRun:
         """Run another noise engine from the first step (the audit's deliberately weakened control,
         ``opake.audit``); refused once a step was taken."""
         if self.step != 0:
-            raise RuntimeError("the noise engine of a run can be replaced before its first step only")
+            raise InvalidStateError("the noise engine of a run can be replaced before its first step only")
         self.noise_fn = noise_fn
         self.state = RunState(noise_state, self.state.served)

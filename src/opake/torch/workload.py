@@ -41,6 +41,7 @@ from torch import nn
 from opake.dpftrl.noise import blt_strategy
 from opake.dpftrl.strategies.blt_workload import ParameterWorkload
 from opake.dpftrl.strategies.toeplitz import per_query_errors
+from opake.errors import InvalidArgumentError, InvalidTypeError
 
 __all__ = ["SCHEDULED_ROWS", "Workload", "strategy_for_optimizer", "workload_of"]
 
@@ -96,7 +97,7 @@ def workload_of(recipe) -> Workload:
         return Workload()
     rates = recipe.lr_schedule
     if rates is not None and not isinstance(rates, tuple):
-        raise TypeError("a workload needs the schedule's values, not a callable; pass lr_schedule as a sequence")
+        raise InvalidTypeError("a workload needs the schedule's values, not a callable; pass lr_schedule as a sequence")
     return Workload(sgd, rates)
 
 
@@ -127,7 +128,7 @@ def _parameter_errors(inverse: np.ndarray, sgd: ParameterWorkload, learning_rate
         return earlier + (cumulative + excess) ** 2
     eta = np.asarray(learning_rates, dtype=np.float64)
     if eta.shape != (n,):
-        raise ValueError(f"the schedule has {eta.shape[0]} rates for {n} steps")
+        raise InvalidArgumentError(f"the schedule has {eta.shape[0]} rates for {n} steps")
     rows = np.unique(np.linspace(0, n - 1, min(n, SCHEDULED_ROWS)).round().astype(np.int64))
     scaled_excess = np.cumsum(eta * r)
     errors = np.empty(rows.shape[0])
@@ -189,7 +190,7 @@ def _learning_rates(optimizer, lr_scheduler, n_steps: int) -> tuple:
                 rates.append(float(optimizer_copy.param_groups[0]["lr"]))
                 scheduler_copy.step()
     except TypeError as error:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"cannot read the learning-rate schedule by stepping a copy of {type(scheduler_copy).__name__} "
             f"({error}); pass strategy=blt_strategy(workload='parameters', momentum=..., lr_schedule=[...]) "
             f"with the planned rates yourself"

@@ -13,8 +13,10 @@ values it cannot honour raise ``UnsupportedTrainingArgumentError`` with their re
 
 import transformers as _transformers
 
+from opake.errors import MissingDependencyError
+
 if int(_transformers.__version__.split(".")[0]) < 5:
-    raise ImportError(
+    raise MissingDependencyError(
         f"opake.transformers needs transformers>=5 (tested with 5.24); found {_transformers.__version__}. "
         f"DPTrainer overrides Trainer methods whose names and roles changed in version 5"
     )

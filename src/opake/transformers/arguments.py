@@ -23,7 +23,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from opake.errors import OpakeError
+from opake.errors import InvalidArgumentError, InvalidStateError, OpakeError
 
 __all__ = ["ARGUMENT_RULES", "ArgumentRule", "UnsupportedTrainingArgumentError", "arguments_table",
            "check_arguments", "is_constructor_rule", "is_property_rule", "with_launcher_settings"]
@@ -89,11 +89,11 @@ class ArgumentRule:
 
     def __post_init__(self):
         if self.treatment not in TREATMENTS:
-            raise ValueError(f"treatment must be one of {TREATMENTS}, got {self.treatment!r}")
+            raise InvalidArgumentError(f"treatment must be one of {TREATMENTS}, got {self.treatment!r}")
         if (self.accepts is _anything) != (self.accepted == "any"):
-            raise ValueError(f"rule {self.name!r}: give both accepts and accepted, or neither")
+            raise InvalidArgumentError(f"rule {self.name!r}: give both accepts and accepted, or neither")
         if self.treatment == "refuse" and self.accepts is _anything:
-            raise ValueError(f"rule {self.name!r}: a refusing rule must say which values it accepts")
+            raise InvalidArgumentError(f"rule {self.name!r}: a refusing rule must say which values it accepts")
 
 
 def _rule(name, treatment, reason, accepts=_anything, accepted="any", where=FIELD):
@@ -358,7 +358,7 @@ ARGUMENT_RULES: tuple[ArgumentRule, ...] = (
 def _by_name(rules) -> dict:
     by_name = {rule.name: rule for rule in rules}
     if len(by_name) != len(rules):  # pragma: no cover - a table edit that repeats a row
-        raise RuntimeError("an argument table names a field twice")
+        raise InvalidStateError("an argument table names a field twice")
     return by_name
 
 

@@ -26,6 +26,8 @@ from collections.abc import Mapping
 import optree
 import torch
 
+from opake.errors import InvalidArgumentError, InvalidTypeError
+
 __all__ = ["EmptyBatchCollator", "batch_size_of", "micro_batches", "pair_micro_batches", "unit_micro_batches"]
 
 
@@ -35,8 +37,8 @@ def batch_size_of(batch) -> int:
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
             return int(leaf.shape[0])
-    raise TypeError("the collated batch holds no tensor with a batch dimension; DPTrainer needs one to count "
-                    "its examples")
+    raise InvalidTypeError("the collated batch holds no tensor with a batch dimension; DPTrainer needs one to count "
+                           "its examples")
 
 
 def micro_batches(batch, size: int, largest: int) -> list:
@@ -72,7 +74,7 @@ def unit_micro_batches(batch, size: int, largest: int, units) -> list:
     unit of each row; every unit's rows must be contiguous (as planned batches serve them)."""
     units = list(units)
     if len(units) != size:
-        raise ValueError(f"the planned batch has {size} rows but {len(units)} unit numbers")
+        raise InvalidArgumentError(f"the planned batch has {size} rows but {len(units)} unit numbers")
     runs: list[int] = []  # rows per unit, in order
     seen = set()
     for index, unit in enumerate(units):
@@ -80,8 +82,10 @@ def unit_micro_batches(batch, size: int, largest: int, units) -> list:
             runs[-1] += 1
             continue
         if unit in seen:
-            raise ValueError(f"the rows of unit {unit} are not contiguous in the batch; micro-batches cut at unit "
-                             f"boundaries need each unit's rows together (as the planned loader serves them)")
+            raise InvalidArgumentError(
+                f"the rows of unit {unit} are not contiguous in the batch; micro-batches cut at unit "
+                f"boundaries need each unit's rows together (as the planned loader serves them)"
+            )
         seen.add(unit)
         runs.append(1)
     sizes: list[int] = []
@@ -103,7 +107,7 @@ def pair_micro_batches(batch, pairs: int, largest: int) -> list[tuple[dict, torc
     if pairs == 0:
         return []
     if not isinstance(batch, Mapping):
-        raise TypeError(f"a preference batch must be a dict of tensors, got a {type(batch).__name__}")
+        raise InvalidTypeError(f"a preference batch must be a dict of tensors, got a {type(batch).__name__}")
     bounds = torch.arange(pairs).tensor_split(-(-pairs // largest))
     parts = []
     for members in bounds:
@@ -115,7 +119,7 @@ def pair_micro_batches(batch, pairs: int, largest: int) -> list[tuple[dict, torc
             elif isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == pairs:
                 part[name] = value[first:stop]
             else:
-                raise TypeError(
+                raise InvalidTypeError(
                     f"cannot cut the preference batch's {name!r} into micro-batches of whole pairs: it is not a "
                     f"tensor with the batch's {2 * pairs} rows (chosen, then rejected) or {pairs} pairs on "
                     f"dimension 0")
@@ -130,12 +134,12 @@ def _cut(batch, size: int, sizes: list[int]) -> list:
     if len(sizes) == 1:
         return [batch]
     if not isinstance(batch, Mapping):
-        raise TypeError(f"DPTrainer cuts planned batches into micro-batches as dicts of tensors; got a "
-                        f"{type(batch).__name__}")
+        raise InvalidTypeError(f"DPTrainer cuts planned batches into micro-batches as dicts of tensors; got a "
+                               f"{type(batch).__name__}")
     pieces = {}
     for name, value in batch.items():
         if not (isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == size):
-            raise TypeError(
+            raise InvalidTypeError(
                 f"cannot cut the batch's {name!r} into micro-batches: it is not a tensor with the batch's "
                 f"{size} examples on dimension 0. Collate every input as such a tensor, or set "
                 f"per_device_train_batch_size to at least the largest planned batch"
@@ -167,6 +171,6 @@ def _zero_rows(template):
         return {name: _zero_rows(value) for name, value in template.items()}
     if isinstance(template, torch.Tensor) and template.dim() > 0:
         return template[:0]
-    raise TypeError(f"an empty planned batch cannot be collated: the collator's output holds a "
-                    f"{type(template).__name__}, not a batched tensor; give DPTrainer a collator that returns "
-                    f"(dicts of) tensors, or one that handles an empty list itself")
+    raise InvalidTypeError(f"an empty planned batch cannot be collated: the collator's output holds a "
+                           f"{type(template).__name__}, not a batched tensor; give DPTrainer a collator that returns "
+                           f"(dicts of) tensors, or one that handles an empty list itself")

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from opake.errors import InvalidArgumentError
+
 __all__ = ["PAIRWISE_LOSSES", "PairLossSettings", "completion_log_probs", "pair_losses"]
 
 IGNORE = -100
@@ -105,7 +107,7 @@ def _scores(log_ratio: torch.Tensor, settings: PairLossSettings) -> torch.Tensor
             return log_ratio
         exponent = ((alpha - 1.0) * log_ratio).float().clamp(max=80.0)
         return ((torch.exp(exponent) - 1.0) / (alpha - 1.0)).to(log_ratio.dtype)
-    raise ValueError(f"unknown f_divergence_type {kind!r}")
+    raise InvalidArgumentError(f"unknown f_divergence_type {kind!r}")
 
 
 def pair_losses(policy: torch.Tensor, reference: torch.Tensor, completion_mask: torch.Tensor,
@@ -154,10 +156,14 @@ def pair_losses(policy: torch.Tensor, reference: torch.Tensor, completion_mask: 
         elif loss_type == "sigmoid_norm":  # DPO on per-token average scores
             loss = -F.logsigmoid(beta * (chosen_score / chosen_length - rejected_score / rejected_length))
         else:
-            raise ValueError(f"loss_type {loss_type!r} is not a per-pair loss opake forms (one of {PAIRWISE_LOSSES})")
+            raise InvalidArgumentError(
+                f"loss_type {loss_type!r} is not a per-pair loss opake forms (one of {PAIRWISE_LOSSES})"
+            )
         if settings.use_weighting:  # WPO: each pair weighted by its own detached probabilities
             if square_mass is None:
-                raise ValueError("use_weighting needs the WPO terms (completion_log_probs(with_square_mass=True))")
+                raise InvalidArgumentError(
+                    "use_weighting needs the WPO terms (completion_log_probs(with_square_mass=True))"
+                )
             chosen_weight, rejected_weight = square_mass.exp().chunk(2)
             loss = loss * chosen_weight * rejected_weight
         total = total + weight * loss

@@ -62,10 +62,12 @@ from transformers.trainer_callback import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints, seed_worker
 from transformers.utils import is_datasets_available
 
+from opake.errors import InvalidTypeError
 from opake.random import RngKey
 from opake.torch import make_private
 from opake.torch.checkpoint import CheckpointError, whole_digest
 from opake.torch.contract import RestartedWorkerError
+from opake.torch.loader import PlanExhaustedError
 from opake.torch.ranks import LauncherWorldError, agree, launcher_restarts
 from opake.torch.short_run import warn_if_short
 from opake.transformers.arguments import (ARGUMENT_RULES, UnsupportedTrainingArgumentError, check_arguments,
@@ -196,11 +198,11 @@ class PrivateTrainerMixin:
         if run_args is None:
             run_args = self.default_arguments()
         if not isinstance(run_args, transformers.TrainingArguments):
-            raise TypeError(f"args must be a transformers.TrainingArguments, got {type(run_args).__name__}")
+            raise InvalidTypeError(f"args must be a transformers.TrainingArguments, got {type(run_args).__name__}")
         run_args = with_launcher_settings(self.arguments_of_trainer(run_args))
         _require_one_trainer_world(run_args)
         if arguments.get("model") is None:
-            raise TypeError(f"{type(self).__name__} needs model= (the model make_private hooks)")
+            raise InvalidTypeError(f"{type(self).__name__} needs model= (the model make_private hooks)")
         given = {**arguments, "privacy_unit": privacy_unit}  # the constructor's, and the plan's that rows name
         check_arguments(run_args, {rule.name: given[rule.name] for rule in self.argument_rules
                                    if is_constructor_rule(rule) and rule.name in given}, rules=self.argument_rules)
@@ -471,10 +473,10 @@ class PrivateTrainerMixin:
         folder = self._checkpoint_to_resume(resume_from_checkpoint)
         if folder is None:
             if draws is not None or fresh_key is not None:
-                raise TypeError("draws= and fresh_key= choose how a resumed run draws its noise; pass them with "
-                                "resume_from_checkpoint=")
+                raise InvalidTypeError("draws= and fresh_key= choose how a resumed run draws its noise; pass them with "
+                                       "resume_from_checkpoint=")
             if self.private.steps_taken > 0:
-                raise RuntimeError(
+                raise PlanExhaustedError(
                     f"this DPTrainer's plan has taken {self.private.steps_taken} of its "
                     f"{self.private.plan.participation.n_steps} steps; train() again would start Trainer over on "
                     f"a consumed plan. Resume from a checkpoint (resume_from_checkpoint=..., draws=...) or build "

@@ -33,11 +33,15 @@ import math
 
 import torch
 
+from opake.errors import InvalidArgumentError, MissingDependencyError
+
 try:
     import trl
     from trl.trainer.utils import use_adapter
 except ImportError as error:  # pragma: no cover - depends on the environment
-    raise ImportError("DPSFTTrainer and DPDPOTrainer need TRL: pip install trl (or opake[transformers])") from error
+    raise MissingDependencyError(
+        "DPSFTTrainer and DPDPOTrainer need TRL: pip install trl (or opake[transformers])"
+    ) from error
 
 from opake.transformers.arguments import UnsupportedTrainingArgumentError
 from opake.transformers.batches import pair_micro_batches
@@ -103,7 +107,9 @@ class DPSFTTrainer(PrivateTrainerMixin, trl.SFTTrainer):
         of each one's own token mean (``make_private``'s per-example loss), never with
         ``num_items_in_batch`` nor TRL's fused head (module docstring)."""
         if "labels" not in inputs:
-            raise ValueError("DPSFTTrainer needs labels in each batch (TRL's collator makes them from input_ids)")
+            raise InvalidArgumentError(
+                "DPSFTTrainer needs labels in each batch (TRL's collator makes them from input_ids)"
+            )
         outputs = model(**{**inputs, "use_cache": False})
         self._record_token_metrics(outputs.logits, inputs)
         return (outputs.loss, outputs) if return_outputs else outputs.loss

@@ -16,6 +16,7 @@ from opake.dpftrl.accounting.allocation.balls_in_bins import balls_in_bins, prov
 from opake.dpftrl.accounting.gaussian import mf_gaussian
 from opake.dpftrl.accounting.methods import AccountingMethod
 from opake.dpftrl.accounting.poisson import poisson
+from opake.errors import InvalidArgumentError
 
 __all__ = ["Accountant", "balls_in_bins_accountant", "poisson_accountant"]
 
@@ -59,8 +60,8 @@ def balls_in_bins_accountant(strategy, num_bins: int, n_steps: int, method=None)
         method = proven_method(strategy, num_bins, n_steps)
     method = AccountingMethod(method)
     if method not in _BINS:
-        raise ValueError(f"balls-in-bins sampling is priced by one of {[m.value for m in _BINS]} (or None, "
-                         f"the tightest proven bound), got {method.value!r}")
+        raise InvalidArgumentError(f"balls-in-bins sampling is priced by one of {[m.value for m in _BINS]} (or None, "
+                                   f"the tightest proven bound), got {method.value!r}")
     return Accountant(strategy, int(n_steps), method, num_bins=int(num_bins))
 
 

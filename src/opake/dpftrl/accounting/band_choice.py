@@ -21,6 +21,7 @@ from opake.dpftrl.accounting.gaussian import mf_gaussian
 from opake.dpftrl.accounting.poisson import banded_column_norm, noise_multiplier_guess, poisson
 from opake.dpftrl.strategies.band_mf import band_mf_strategy
 from opake.dpftrl.strategies.strategy import identity_strategy
+from opake.errors import InvalidArgumentError
 from opake.progress import Progress, calibration_reporter
 
 __all__ = ["CHOICE_DISCRETIZATION", "PLD_DISCRETIZATION", "BandCandidate", "DatasetRun", "band_candidates",
@@ -61,7 +62,7 @@ class DatasetRun:
         for name in ("num_examples", "batch_size", "epochs"):
             object.__setattr__(self, name, integer_at_least(name, getattr(self, name)))
         if self.batch_size > self.num_examples:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"batch_size ({self.batch_size}) must be <= num_examples ({self.num_examples}): a step "
                 f"cannot use more examples than the data set holds; lower the batch size"
             )
@@ -209,8 +210,8 @@ def coarse_band_candidate(num_examples: int, batch_size: int, epochs: int, epsil
     run = DatasetRun(num_examples, batch_size, epochs)
     bands = int(strategy.bands)
     if batch_size * bands > num_examples:
-        raise ValueError(f"{bands} bands with batch_size={batch_size} need a sample rate "
-                         f"{batch_size * bands}/{num_examples} > 1; use at most {run.num_bins} bands")
+        raise InvalidArgumentError(f"{bands} bands with batch_size={batch_size} need a sample rate "
+                                   f"{batch_size * bands}/{num_examples} > 1; use at most {run.num_bins} bands")
     progress = Progress.of(progress)
     try:
         sigma, evaluated, *_ = _coarse_calibration(run, epsilon_budget(epsilon, delta), bands, strategy, progress)
@@ -321,5 +322,5 @@ def _rmse(sigma: float, mech, error: str) -> float:
 
 def _check_error(error) -> str:
     if error not in _ERRORS:
-        raise ValueError(f"error must be one of {_ERRORS} (the prefix-sum error to minimize), got {error!r}")
+        raise InvalidArgumentError(f"error must be one of {_ERRORS} (the prefix-sum error to minimize), got {error!r}")
     return error

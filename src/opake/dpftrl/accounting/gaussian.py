@@ -20,7 +20,7 @@ from opake.accounting.process import check_delta, check_epsilon, check_noise_mul
 from opake.dpftrl.accounting.methods import AccountingMethod
 from opake.dpftrl.noise.priced import PricedNoise
 from opake.dpftrl.participation import Participation
-from opake.errors import OpakeError
+from opake.errors import InvalidArgumentError, InvalidTypeError, OpakeError
 
 
 class UnboundMechanismError(OpakeError, ValueError):
@@ -146,14 +146,14 @@ def mf_gaussian(
     """
     noise_multiplier = check_noise_multiplier(noise_multiplier)
     if not callable(getattr(strategy, "resolve", None)):
-        raise TypeError(
+        raise InvalidTypeError(
             f"strategy must be a strategy recipe with .resolve(n_steps, min_sep, max_participations), "
             f"got {type(strategy).__name__}; use opake.dpftrl.noise.blt_strategy(...) or identity_strategy()"
         )
     unbound = MFGaussian(noise_multiplier, strategy)
     if n_steps is None:
         if min_sep != 1 or max_participations is not None:
-            raise ValueError(
+            raise InvalidArgumentError(
                 "min_sep and max_participations were given without n_steps; give n_steps too, "
                 "or leave all three unset so that an amplifier (balls_in_bins) supplies them"
             )

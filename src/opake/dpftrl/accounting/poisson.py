@@ -41,7 +41,7 @@ from opake.dpftrl.accounting.gaussian import MFGaussian
 from opake.dpftrl.accounting.methods import AccountingMethod
 from opake.dpftrl.noise.priced import PricedNoise
 from opake.dpftrl.participation import Participation
-from opake.errors import OpakeError
+from opake.errors import InvalidArgumentError, InvalidTypeError, OpakeError
 
 BLT_ADVICE = (
     "Poisson subsampling amplification is not valid for a BLT strategy (its C is not banded); "
@@ -133,10 +133,10 @@ def _event(sample_rate: float, noise_multiplier: float, count: int) -> dp_accoun
 
 def _check_sample_rate(sample_rate) -> float:
     if isinstance(sample_rate, bool) or not isinstance(sample_rate, numbers.Real):
-        raise TypeError(f"sample_rate must be a real number, got {sample_rate!r} ({type(sample_rate).__name__})")
+        raise InvalidTypeError(f"sample_rate must be a real number, got {sample_rate!r} ({type(sample_rate).__name__})")
     rate = float(sample_rate)
     if not (0.0 < rate <= 1.0):
-        raise ValueError(
+        raise InvalidArgumentError(
             f"sample_rate must be in (0, 1] (the probability that a member of the served group is "
             f"included), got {sample_rate!r}"
         )
@@ -145,7 +145,9 @@ def _check_sample_rate(sample_rate) -> float:
 
 def _check_n_steps(n_steps) -> int:
     if n_steps is None:
-        raise ValueError("n_steps is required: poisson(mf_gaussian(noise_multiplier, strategy), sample_rate, n_steps)")
+        raise InvalidArgumentError(
+            "n_steps is required: poisson(mf_gaussian(noise_multiplier, strategy), sample_rate, n_steps)"
+        )
     return integer_at_least("n_steps", n_steps)
 
 
@@ -187,24 +189,26 @@ def poisson(
     ``participation(n_steps)``, and its ``mechanism`` is what the noise engine must run.
     """
     if not isinstance(inner, MFGaussian):
-        raise TypeError(
+        raise InvalidTypeError(
             f"inner must be an unbound mf_gaussian(noise_multiplier, strategy), got {type(inner).__name__}"
         )
     bands = strategy_bands(inner.strategy)
     rate = _check_sample_rate(sample_rate)
     n = _check_n_steps(n_steps)
     if bands > n:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"bands ({bands}) must be <= n_steps ({n}): cyclic Poisson serves group t mod bands at "
             f"step t, so every group must be served at least once"
         )
     interval = float(value_discretization_interval)
     if not (math.isfinite(interval) and interval > 0.0):
-        raise ValueError(f"value_discretization_interval must be finite and > 0, got {value_discretization_interval!r}")
+        raise InvalidArgumentError(
+            f"value_discretization_interval must be finite and > 0, got {value_discretization_interval!r}"
+        )
     compositions = -(-n // bands)
     participation = Participation(n, bands, compositions)
     if inner.is_bound and inner.participation.canonical != participation.canonical:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"inner was bound to ({inner.participation}), but cyclic Poisson sampling with {bands} "
             f"group(s) guarantees ({participation}); pass the unbound mf_gaussian(noise_multiplier, "
             f"strategy) and let poisson supply the participation"

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from opake.errors import OpakeError
+from opake.errors import InvalidTypeError, OpakeError
 
 
 class AccountingMismatchError(OpakeError, ValueError):
@@ -54,13 +54,15 @@ class PricedNoise:
 def priced_noise_of(process) -> PricedNoise:
     """``process.priced_noise``, or a TypeError saying which processes can state it."""
     if not hasattr(type(process), "priced_noise"):
-        raise TypeError(
+        raise InvalidTypeError(
             f"{type(process).__name__} does not state which noise it priced (it has no priced_noise), "
             f"so it cannot vouch for a correlated-noise run; {_PROCESS_ADVICE}"
         )
     priced = process.priced_noise  # an unbound mf_gaussian raises UnboundMechanismError here
     if not isinstance(priced, PricedNoise):
-        raise TypeError(f"{type(process).__name__}.priced_noise must be a PricedNoise, got {type(priced).__name__}")
+        raise InvalidTypeError(
+            f"{type(process).__name__}.priced_noise must be a PricedNoise, got {type(priced).__name__}"
+        )
     return priced
 
 

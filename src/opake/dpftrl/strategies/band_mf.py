@@ -29,6 +29,7 @@ import numpy as np
 from opake.dpftrl.strategies import toeplitz
 from opake.dpftrl.strategies.strategy import Mechanism, _context, _digest, _readonly
 from opake.dpftrl.participation import Participation
+from opake.errors import InvalidArgumentError, InvalidTypeError
 
 _ERRORS = ("max", "mean")
 
@@ -56,7 +57,7 @@ class BandedMechanism(Mechanism):
 
     def __post_init__(self):
         if self.coefs is None:
-            raise ValueError("a BandedMechanism needs coefs (C's first column within the band)")
+            raise InvalidArgumentError("a BandedMechanism needs coefs (C's first column within the band)")
         object.__setattr__(self, "coefs", _readonly(self.coefs))
         if not self.fingerprint:
             fp = _digest("banded", type(self.recipe).__name__, self.recipe, self.participation.canonical, self.coefs)
@@ -100,9 +101,9 @@ class BandedMechanism(Mechanism):
 
 def _check_bands(bands) -> int:
     if isinstance(bands, bool) or not isinstance(bands, numbers.Integral):
-        raise TypeError(f"bands must be an integer, got {bands!r} ({type(bands).__name__})")
+        raise InvalidTypeError(f"bands must be an integer, got {bands!r} ({type(bands).__name__})")
     if bands < 1:
-        raise ValueError(f"bands must be >= 1 (1 is the identity strategy, DP-SGD), got {bands}")
+        raise InvalidArgumentError(f"bands must be >= 1 (1 is the identity strategy, DP-SGD), got {bands}")
     return int(bands)
 
 
@@ -122,7 +123,7 @@ class BandMFStrategy:
     def __post_init__(self):
         object.__setattr__(self, "bands", _check_bands(self.bands))
         if self.error not in _ERRORS:
-            raise ValueError(f"error must be one of {_ERRORS}, got {self.error!r}")
+            raise InvalidArgumentError(f"error must be one of {_ERRORS}, got {self.error!r}")
 
     def resolve(self, n_steps, min_sep: int = 1, max_participations: int | None = None) -> BandedMechanism:
         """The optimized banded C for this participation context (deterministic, cached).
@@ -136,7 +137,7 @@ class BandMFStrategy:
         """
         ctx = _context(n_steps, min_sep, max_participations)
         if self.bands > ctx.n_steps:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"bands ({self.bands}) must be <= n_steps ({ctx.n_steps}): a band wider than the "
                 f"run has diagonals no step reaches; use band_mf_strategy(bands={ctx.n_steps}) or fewer"
             )
@@ -175,9 +176,9 @@ def mechanism_from_coefs(coefs, participation: Participation, recipe=None) -> Ba
     c = np.asarray(coefs, dtype=np.float64).reshape(-1)
     n = participation.n_steps
     if c.shape[0] < 1 or c.shape[0] > n:
-        raise ValueError(f"coefs must have 1..n_steps ({n}) values, got {c.shape[0]}")
+        raise InvalidArgumentError(f"coefs must have 1..n_steps ({n}) values, got {c.shape[0]}")
     if c[0] != 1.0:
-        raise ValueError(f"coefs[0] must be 1 (the normalization c_0 = 1), got {c[0]!r}")
+        raise InvalidArgumentError(f"coefs[0] must be 1 (the normalization c_0 = 1), got {c[0]!r}")
     column = np.zeros(n)
     column[: c.shape[0]] = c
     sens2 = toeplitz.minsep_sensitivity_squared(column, participation.min_sep, participation.max_participations)

@@ -32,6 +32,7 @@ from opake.dpftrl.strategies.geometric import (
     product_geometric_sum,
 )
 from opake.dpftrl.participation import Participation
+from opake.errors import InvalidArgumentError, InvalidTypeError
 
 
 @dataclass(frozen=True, eq=False)
@@ -45,9 +46,11 @@ class BLTParams:
         theta = np.array(self.theta, dtype=np.float64, copy=True).reshape(-1)
         omega = np.array(self.omega, dtype=np.float64, copy=True).reshape(-1)
         if theta.shape != omega.shape:
-            raise ValueError(f"theta and omega must have the same length, got {theta.shape} and {omega.shape}")
+            raise InvalidArgumentError(
+                f"theta and omega must have the same length, got {theta.shape} and {omega.shape}"
+            )
         if not (np.all(np.isfinite(theta)) and np.all(np.isfinite(omega))):
-            raise ValueError("theta and omega must be finite")
+            raise InvalidArgumentError("theta and omega must be finite")
         theta.setflags(write=False)
         omega.setflags(write=False)
         object.__setattr__(self, "theta", theta)
@@ -75,9 +78,9 @@ class BLTParams:
 def _horizon(n, name: str = "n") -> int:
     """A horizon (number of steps) as a positive int, or a TypeError/ValueError naming it."""
     if isinstance(n, bool) or not isinstance(n, numbers.Integral):
-        raise TypeError(f"{name} must be an integer number of steps, got {n!r} ({type(n).__name__})")
+        raise InvalidTypeError(f"{name} must be an integer number of steps, got {n!r} ({type(n).__name__})")
     if n < 1:
-        raise ValueError(f"{name} must be >= 1, got {n}")
+        raise InvalidArgumentError(f"{name} must be >= 1, got {n}")
     return int(n)
 
 
@@ -114,11 +117,17 @@ def check_minsep_preconditions(params: BLTParams) -> None:
     """
     theta, omega = params.theta, params.omega
     if np.any((theta < 0) | (theta > 1)):
-        raise ValueError(f"BLT decays theta must lie in [0, 1] for the min-sep sensitivity to hold; got {theta.tolist()}")
+        raise InvalidArgumentError(
+            f"BLT decays theta must lie in [0, 1] for the min-sep sensitivity to hold; got {theta.tolist()}"
+        )
     if np.any(omega < 0):
-        raise ValueError(f"BLT output scales omega must be >= 0 for the min-sep sensitivity to hold; got {omega.tolist()}")
+        raise InvalidArgumentError(
+            f"BLT output scales omega must be >= 0 for the min-sep sensitivity to hold; got {omega.tolist()}"
+        )
     if omega.sum() > 1.0:
-        raise ValueError(f"BLT output scales must satisfy sum(omega) <= 1 (non-increasing coefficients); got sum {omega.sum()!r}")
+        raise InvalidArgumentError(
+            f"BLT output scales must satisfy sum(omega) <= 1 (non-increasing coefficients); got sum {omega.sum()!r}"
+        )
 
 
 def round_for_float32(params: BLTParams) -> BLTParams:
@@ -253,14 +262,14 @@ def _inverse_roots(leak: np.ndarray, omega: np.ndarray):
         theta = 1.0 - q
         eig = np.linalg.eigvals(np.diag(theta) - np.outer(w, np.ones(B)))
         if np.any(np.abs(eig.imag) > 1e-12 * np.maximum(1.0, np.abs(eig.real))):
-            raise ValueError("this BLT's inverse is not a real BLT (complex inverse decays); "
-                             "use decays in (0, 1] with positive omega")
+            raise InvalidArgumentError("this BLT's inverse is not a real BLT (complex inverse decays); "
+                                       "use decays in (0, 1] with positive omega")
         delta = np.sort(1.0 - eig.real)[::-1]
     diff_theta = q[None, :] - delta[:, None]            # theta_hat_j - theta_i
     diff_hat = delta[None, :] - delta[:, None]           # theta_hat_j - theta_hat_l
     np.fill_diagonal(diff_hat, 1.0)
     if np.any(diff_hat == 0):
-        raise ValueError("the inverse has repeated decays; merge equal decays of the BLT first")
+        raise InvalidArgumentError("the inverse has repeated decays; merge equal decays of the BLT first")
     omega_hat = np.prod(diff_theta, axis=1) / np.prod(diff_hat, axis=1)
     return delta, omega_hat
 

@@ -69,6 +69,7 @@ import numpy as np
 from opake.dpftrl.strategies import piecewise
 from opake.dpftrl.strategies.blt_workload import bl_form_terms_arrays, first_order_recurrence
 from opake.dpftrl.strategies.geometric import complement_of_product
+from opake.errors import InvalidArgumentError
 
 SLOW = 0.05           # (1 - rho_a rho_b) t below this: the complementary form of (*)
 COARSE = 128          # at least this many coarse pieces over the horizon
@@ -375,13 +376,13 @@ class ScheduledParameterErrors:
     def error(self, leak, leak_hat, omega_hat, kind: str = "max"):
         """max_t e_t for parameters of any leading batch shape (complex step allowed)."""
         if kind != "max":
-            raise ValueError(f"the scheduled fast path computes the max error only, got {kind!r}")
+            raise InvalidArgumentError(f"the scheduled fast path computes the max error only, got {kind!r}")
         leaks, weights, gain, tau, beta_index = bl_form_terms_arrays(leak, leak_hat, omega_hat, self.workload)
         batch = leaks.shape[:-1]
         leaks = leaks.reshape((-1, leaks.shape[-1]))
         weights = np.broadcast_to(weights, batch + weights.shape[-1:]).reshape(leaks.shape)
         if np.any(leaks.real <= 0.0) or np.any(leaks.real > 1.0):
-            raise ValueError("the scheduled fast path needs decays in [0, 1) (1 - rho in (0, 1])")
+            raise InvalidArgumentError("the scheduled fast path needs decays in [0, 1) (1 - rho in (0, 1])")
         if np.all(leaks.real == leaks.real[0]):  # the optimizer's probes share their real part
             out = self._max_group(leaks.real[0], leaks, weights, gain, tau, beta_index)
             return out.reshape(batch) if batch else out[0]

@@ -25,6 +25,7 @@ from opake.dpftrl.strategies.blt import (
     error_arrays,
 )
 from opake.dpftrl.strategies.geometric import complement_of_product, cumulative_geometric_sum, geometric_sum, log1p
+from opake.errors import InvalidArgumentError
 
 @dataclass(frozen=True)
 class ParameterWorkload:
@@ -45,13 +46,13 @@ class ParameterWorkload:
     def __post_init__(self):
         beta, tau = self.momentum, self.dampening
         if isinstance(beta, bool) or not isinstance(beta, numbers.Real) or not 0.0 <= float(beta) < 1.0:
-            raise ValueError(f"SGD momentum must be a number in [0, 1) (0 = plain SGD), got {beta!r}")
+            raise InvalidArgumentError(f"SGD momentum must be a number in [0, 1) (0 = plain SGD), got {beta!r}")
         if isinstance(tau, bool) or not isinstance(tau, numbers.Real) or not 0.0 <= float(tau) <= 1.0:
-            raise ValueError(f"SGD dampening must be a number in [0, 1], got {tau!r}")
+            raise InvalidArgumentError(f"SGD dampening must be a number in [0, 1], got {tau!r}")
         if not isinstance(self.nesterov, bool):
-            raise ValueError(f"nesterov must be True or False, got {self.nesterov!r}")
+            raise InvalidArgumentError(f"nesterov must be True or False, got {self.nesterov!r}")
         if self.nesterov and (float(beta) == 0.0 or float(tau) != 0.0):
-            raise ValueError("Nesterov momentum needs momentum > 0 and dampening = 0 (as torch.optim.SGD)")
+            raise InvalidArgumentError("Nesterov momentum needs momentum > 0 and dampening = 0 (as torch.optim.SGD)")
         object.__setattr__(self, "momentum", float(beta))
         object.__setattr__(self, "dampening", float(tau))
 
@@ -351,7 +352,7 @@ def parameter_error(params: BLTParams, n: int, workload: ParameterWorkload, erro
                     lr_schedule=None) -> float:
     """max_t or mean_t of ``parameter_per_query_errors`` (closed form when it exists)."""
     if error not in ("max", "mean"):
-        raise ValueError(f"error must be 'max' or 'mean', got {error!r}")
+        raise InvalidArgumentError(f"error must be 'max' or 'mean', got {error!r}")
     n = _horizon(n)
     eta = None if lr_schedule is None else _schedule(lr_schedule, n)
     leak, leak_hat, omega_hat = _parameter_inputs(params)
@@ -368,7 +369,9 @@ def parameter_error(params: BLTParams, n: int, workload: ParameterWorkload, erro
 def _schedule(lr_schedule, n: int) -> np.ndarray:
     eta = np.asarray(lr_schedule, dtype=np.float64)
     if eta.shape != (n,):
-        raise ValueError(f"lr_schedule must give one value per step: expected {n} values, got shape {eta.shape}")
+        raise InvalidArgumentError(
+            f"lr_schedule must give one value per step: expected {n} values, got shape {eta.shape}"
+        )
     if not np.all(np.isfinite(eta) & (eta > 0)):
-        raise ValueError("lr_schedule values must be finite and > 0")
+        raise InvalidArgumentError("lr_schedule values must be finite and > 0")
     return eta

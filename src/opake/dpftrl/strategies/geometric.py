@@ -30,6 +30,8 @@ import math
 
 import numpy as np
 
+from opake.errors import InvalidArgumentError
+
 _DIRECT = 0.5  # below this ratio r (q >= 0.5) the textbook formulas do not cancel
 
 # phi2(z) = sum_j (-z)^j / (j + 2)!  (Horner, used for z < 0.5; 16 terms reach 1e-20)
@@ -124,7 +126,7 @@ def product_geometric_sum(qx, qy, m: int):
     qx, qy = np.broadcast_arrays(_array(qx), _array(qy))
     m = int(m)
     if m < 0:
-        raise ValueError(f"m must be >= 0, got {m}")
+        raise InvalidArgumentError(f"m must be >= 0, got {m}")
     zero = np.zeros(qx.shape, dtype=np.result_type(qx, qy))
     if m == 0:
         return zero

@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from opake.errors import InvalidArgumentError
+
 MAX_DEGREE = 8
 
 
@@ -226,9 +228,9 @@ def compress(eta: np.ndarray, *, degree: int = 5, tolerance: float = 1e-12, max_
     """
     eta = np.asarray(eta, dtype=np.float64)
     if eta.ndim != 1 or eta.shape[0] < 1:
-        raise ValueError(f"eta must be a non-empty 1-D array, got shape {eta.shape}")
+        raise InvalidArgumentError(f"eta must be a non-empty 1-D array, got shape {eta.shape}")
     if not 0 <= degree <= MAX_DEGREE:
-        raise ValueError(f"degree must be in 0..{MAX_DEGREE}, got {degree}")
+        raise InvalidArgumentError(f"degree must be in 0..{MAX_DEGREE}, got {degree}")
     n = eta.shape[0]
     tol = float(tolerance)
     while True:

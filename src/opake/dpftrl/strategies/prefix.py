@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from opake.dpftrl.participation import Participation
 from opake.dpftrl.strategies.strategy import Mechanism
+from opake.errors import InvalidArgumentError
 
 __all__ = ["PrefixStrategy"]
 
@@ -38,7 +39,7 @@ class PrefixStrategy:
         ctx = n_steps if isinstance(n_steps, Participation) else Participation(n_steps, min_sep, max_participations)
         planned = self.mechanism.participation.n_steps
         if ctx.n_steps > planned:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"a prefix of a mechanism resolved for {planned} steps has at most {planned} steps, got "
                 f"n_steps={ctx.n_steps}"
             )

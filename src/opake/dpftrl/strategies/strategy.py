@@ -24,6 +24,7 @@ import numpy as np
 
 from opake.dpftrl.strategies import blt, blt_workload
 from opake.dpftrl.participation import Participation
+from opake.errors import InvalidArgumentError
 
 _ERRORS = ("max", "mean")
 _WORKLOADS = ("updates", "parameters")
@@ -197,12 +198,12 @@ def identity_strategy() -> IdentityStrategy:
 
 def _check_schedule_values(values: np.ndarray, n_steps: int) -> np.ndarray:
     if values.ndim != 1 or values.shape[0] != n_steps:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"lr_schedule must give one value per step: expected {n_steps} values, got shape {values.shape}"
         )
     if not np.all(np.isfinite(values)) or np.any(values <= 0):
         bad = int(np.flatnonzero(~(np.isfinite(values) & (values > 0)))[0])
-        raise ValueError(
+        raise InvalidArgumentError(
             f"lr_schedule values must be finite and > 0; step {bad} has {values[bad]!r}"
         )
     return values
@@ -272,16 +273,16 @@ class BLTStrategy:
     def __post_init__(self):
         mb = self.max_buffers
         if isinstance(mb, bool) or not isinstance(mb, numbers.Integral) or not 1 <= mb <= 20:
-            raise ValueError(f"max_buffers must be an integer in 1..20, got {mb!r}")
+            raise InvalidArgumentError(f"max_buffers must be an integer in 1..20, got {mb!r}")
         object.__setattr__(self, "max_buffers", int(mb))
         if self.error not in _ERRORS:
-            raise ValueError(f"error must be one of {_ERRORS}, got {self.error!r}")
+            raise InvalidArgumentError(f"error must be one of {_ERRORS}, got {self.error!r}")
         if self.workload not in _WORKLOADS:
-            raise ValueError(f"workload must be one of {_WORKLOADS}, got {self.workload!r}")
+            raise InvalidArgumentError(f"workload must be one of {_WORKLOADS}, got {self.workload!r}")
         beta = self.momentum
         if self.workload == "parameters":
             if isinstance(beta, numbers.Real) and not isinstance(beta, bool) and float(beta) == 1.0:
-                raise ValueError(
+                raise InvalidArgumentError(
                     "workload='parameters' models torch.optim.SGD, whose momentum must be in [0, 1); "
                     "got momentum=1.0 (the default of workload='updates'): pass momentum=0.0 for plain SGD"
                 )
@@ -290,19 +291,19 @@ class BLTStrategy:
             object.__setattr__(self, "dampening", sgd.dampening)
         else:
             if isinstance(beta, bool) or not isinstance(beta, numbers.Real) or not (0.0 < float(beta) <= 1.0):
-                raise ValueError(f"momentum must be a number in (0, 1], got {beta!r}")
+                raise InvalidArgumentError(f"momentum must be a number in (0, 1], got {beta!r}")
             object.__setattr__(self, "momentum", float(beta))
             if self.dampening != 0.0 or self.nesterov is not False:
-                raise ValueError("dampening and nesterov describe torch.optim.SGD and apply to "
-                                 "workload='parameters' only; the 'updates' workload has neither")
+                raise InvalidArgumentError("dampening and nesterov describe torch.optim.SGD and apply to "
+                                           "workload='parameters' only; the 'updates' workload has neither")
         schedule = self.lr_schedule
         if schedule is not None and not callable(schedule):
             try:
                 values = np.asarray(schedule, dtype=np.float64)
             except (TypeError, ValueError) as exc:
-                raise ValueError(f"lr_schedule must be a sequence of numbers or a callable: {exc}") from None
+                raise InvalidArgumentError(f"lr_schedule must be a sequence of numbers or a callable: {exc}") from None
             if values.ndim != 1 or values.shape[0] < 1:
-                raise ValueError(f"lr_schedule must be a 1-D sequence, got shape {values.shape}")
+                raise InvalidArgumentError(f"lr_schedule must be a 1-D sequence, got shape {values.shape}")
             _check_schedule_values(values, values.shape[0])
             object.__setattr__(self, "lr_schedule", tuple(values.tolist()))  # Python floats
             # the float64 values, kept so that resolve and repr need not convert the tuple again
@@ -325,7 +326,7 @@ class BLTStrategy:
             try:
                 values = np.array([float(schedule(t)) for t in range(n_steps)], dtype=np.float64)
             except (TypeError, ValueError) as exc:
-                raise ValueError(f"lr_schedule callable must return a number for every step: {exc}") from None
+                raise InvalidArgumentError(f"lr_schedule callable must return a number for every step: {exc}") from None
         else:
             values = self.__dict__.get("_schedule_array")
             if values is None:

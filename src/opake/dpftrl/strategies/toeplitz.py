@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import numpy as np
 
+from opake.errors import InvalidArgumentError
+
 
 def _column(coefs) -> np.ndarray:
     c = np.asarray(coefs, dtype=np.float64)
     if c.ndim != 1 or c.shape[0] < 1:
-        raise ValueError(f"coefs must be a non-empty 1-D array, got shape {c.shape}")
+        raise InvalidArgumentError(f"coefs must be a non-empty 1-D array, got shape {c.shape}")
     if not np.all(np.isfinite(c)):
-        raise ValueError("coefs must be finite")
+        raise InvalidArgumentError("coefs must be finite")
     return c
 
 
@@ -26,7 +28,7 @@ def inverse_coefficients(coefs) -> np.ndarray:
     """
     c = _column(coefs)
     if c[0] == 0.0:
-        raise ValueError("coefs[0] must be non-zero for C to be invertible")
+        raise InvalidArgumentError("coefs[0] must be non-zero for C to be invertible")
     n = c.shape[0]
     support = int(np.flatnonzero(c)[-1]) + 1  # banded C only needs its band
     inv = np.zeros(n)
@@ -42,12 +44,12 @@ def check_minsep_coefficients(coefs) -> np.ndarray:
     """The preconditions of the Toeplitz min-sep theorem: c >= 0 and non-increasing."""
     c = _column(coefs)
     if np.any(c < 0):
-        raise ValueError("Toeplitz min-sep sensitivity needs non-negative coefficients; "
-                         f"coefficient {int(np.argmin(c))} is {c.min()!r}")
+        raise InvalidArgumentError("Toeplitz min-sep sensitivity needs non-negative coefficients; "
+                                   f"coefficient {int(np.argmin(c))} is {c.min()!r}")
     if np.any(np.diff(c) > 0):
         k = int(np.flatnonzero(np.diff(c) > 0)[0]) + 1
-        raise ValueError("Toeplitz min-sep sensitivity needs non-increasing coefficients; "
-                         f"c[{k}] = {c[k]!r} > c[{k - 1}] = {c[k - 1]!r}")
+        raise InvalidArgumentError("Toeplitz min-sep sensitivity needs non-increasing coefficients; "
+                                   f"c[{k}] = {c[k]!r} > c[{k - 1}] = {c[k - 1]!r}")
     return c
 
 
@@ -64,11 +66,11 @@ def worst_pattern_response(coefs, min_sep: int, max_participations: int | None =
     n = c.shape[0]
     b = int(min_sep)
     if not 1 <= b <= n:
-        raise ValueError(f"min_sep must be in 1..n_steps ({n}), got {min_sep}")
+        raise InvalidArgumentError(f"min_sep must be in 1..n_steps ({n}), got {min_sep}")
     rows = -(-n // b)
     k = rows if max_participations is None else min(int(max_participations), rows)
     if k < 1:
-        raise ValueError(f"max_participations must be >= 1, got {max_participations}")
+        raise InvalidArgumentError(f"max_participations must be >= 1, got {max_participations}")
     padded = np.zeros(rows * b)
     padded[:n] = c
     v = np.cumsum(padded.reshape(rows, b), axis=0).reshape(-1)[:n]
@@ -106,6 +108,6 @@ def per_query_errors(inverse_coefs, momentum: float = 1.0, lr_schedule=None) -> 
     if lr_schedule is not None:
         eta = np.asarray(lr_schedule, dtype=np.float64)
         if eta.shape != inv.shape:
-            raise ValueError(f"lr_schedule must have {inv.shape[0]} values, got shape {eta.shape}")
+            raise InvalidArgumentError(f"lr_schedule must have {inv.shape[0]} values, got shape {eta.shape}")
         errors = eta * eta * errors
     return errors

@@ -15,6 +15,8 @@ Poisson sampling, cached; 0.1 to 2 s at 10^4 steps, as Opacus' PRV).
 
 from __future__ import annotations
 
+from opake.errors import InvalidTypeError
+
 __all__ = ["RunAccountant"]
 
 
@@ -65,7 +67,7 @@ class RunAccountant:
                 "n_steps": plan.n_steps}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        raise TypeError(
+        raise InvalidTypeError(
             "the accountant keeps nothing of its own: the steps taken are the run's and come back with the run's "
             "checkpoint; use privacy_engine.load_checkpoint(path=..., module=..., optimizer=...)"
         )

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from opake._checks import integer_at_least
+from opake.errors import InvalidArgumentError, InvalidTypeError
 from opake.torch.loader import PlannedDataLoader
 from opake.torch.opacus.optimizer import OpacusDPOptimizer
 
@@ -32,13 +33,15 @@ class BatchMemoryManager:
 
     def __init__(self, *, data_loader, max_physical_batch_size: int, optimizer):
         if not isinstance(data_loader, PlannedDataLoader):
-            raise TypeError(f"data_loader must be the loader make_private returned (the planned batches), got "
-                            f"{type(data_loader).__name__}")
+            raise InvalidTypeError(f"data_loader must be the loader make_private returned (the planned batches), got "
+                                   f"{type(data_loader).__name__}")
         if not isinstance(optimizer, OpacusDPOptimizer):
-            raise TypeError(f"optimizer must be the optimizer opake.torch.PrivacyEngine returned, got "
-                            f"{type(optimizer).__name__}")
+            raise InvalidTypeError(f"optimizer must be the optimizer opake.torch.PrivacyEngine returned, got "
+                                   f"{type(optimizer).__name__}")
         if optimizer.run is not data_loader.run:
-            raise ValueError("data_loader and optimizer belong to different runs; pass the pair make_private returned")
+            raise InvalidArgumentError(
+                "data_loader and optimizer belong to different runs; pass the pair make_private returned"
+            )
         self.data_loader = data_loader
         self.optimizer = optimizer
         self.max_physical_batch_size = integer_at_least("max_physical_batch_size", max_physical_batch_size)

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import torch
 
+from opake.errors import InvalidArgumentError
+from opake.torch.checkpoint import CheckpointError
 from opake.torch.opacus.keys import run_key
 
 __all__ = ["load_checkpoint", "save_checkpoint"]
@@ -51,8 +53,10 @@ def load_checkpoint(engine, *, path, module, optimizer=None, noise_scheduler=Non
     private = _checked(engine, module, optimizer, noise_scheduler, grad_clip_scheduler, module_load_dict_kwargs)
     checkpoint = torch.load(path, **{"weights_only": True, **(torch_load_kwargs or {})})
     if not isinstance(checkpoint, dict) or _RUN not in checkpoint:
-        raise ValueError(f"{path!r} is not a checkpoint of opake's PrivacyEngine.save_checkpoint (no {_RUN!r} "
-                         f"entry); save it with privacy_engine.save_checkpoint(path=..., module=..., optimizer=...)")
+        raise CheckpointError(
+            f"{path!r} is not a checkpoint of opake's PrivacyEngine.save_checkpoint (no {_RUN!r} "
+            f"entry); save it with privacy_engine.save_checkpoint(path=..., module=..., optimizer=...)"
+        )
     if draws is None and fresh_key is None:
         fresh_key = run_key(None, engine.secure_mode).fold_in("opake.torch.opacus.load_checkpoint")
     private.load_state_dict(checkpoint.pop(_RUN), draws=draws, fresh_key=fresh_key)
@@ -63,16 +67,22 @@ def load_checkpoint(engine, *, path, module, optimizer=None, noise_scheduler=Non
 def _checked(engine, module, optimizer, noise_scheduler, grad_clip_scheduler, state_dict_kwargs):
     private = engine.private
     if private is None:
-        raise ValueError("no run is planned yet: call make_private or make_private_with_epsilon first, with the "
-                         "same arguments as the run that saved the checkpoint")
+        raise InvalidArgumentError(
+            "no run is planned yet: call make_private or make_private_with_epsilon first, with the "
+            "same arguments as the run that saved the checkpoint"
+        )
     if module is not private.module:
-        raise ValueError("module is not this engine's: pass the module make_private returned")
+        raise InvalidArgumentError("module is not this engine's: pass the module make_private returned")
     if optimizer is not None and optimizer is not private.optimizer:
-        raise ValueError("optimizer is not this engine's: pass the optimizer make_private returned (or None)")
+        raise InvalidArgumentError("optimizer is not this engine's: pass the optimizer make_private returned (or None)")
     if noise_scheduler is not None or grad_clip_scheduler is not None:
-        raise ValueError("noise and clipping schedulers are not available: the plan fixes the noise multiplier "
-                         "and the clipping bound for the whole run (the accountant prices exactly those)")
+        raise InvalidArgumentError(
+            "noise and clipping schedulers are not available: the plan fixes the noise multiplier "
+            "and the clipping bound for the whole run (the accountant prices exactly those)"
+        )
     if state_dict_kwargs:
-        raise ValueError("module state-dict options are not available: the checkpoint holds the module's full "
-                         "state_dict(), restored exactly; drop the argument")
+        raise InvalidArgumentError(
+            "module state-dict options are not available: the checkpoint holds the module's full "
+            "state_dict(), restored exactly; drop the argument"
+        )
     return private

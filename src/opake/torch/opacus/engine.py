@@ -33,6 +33,7 @@ Opacus' default: ``torch.manual_seed`` reproduces a run) or from the operating s
 from __future__ import annotations
 
 from opake.dpftrl.noise import identity_strategy
+from opake.errors import InvalidArgumentError, InvalidStateError, InvalidTypeError
 from opake.torch.choice import choose_mechanism
 from opake.torch.opacus.accountant import RunAccountant
 from opake.torch.opacus.checkpoint import load_checkpoint, save_checkpoint
@@ -61,8 +62,10 @@ class PrivacyEngine:
 
     def __init__(self, *, accountant: str = "prv", secure_mode: bool = False):
         if accountant not in _OPACUS_ACCOUNTANTS:
-            raise ValueError(f"accountant must be one of Opacus' names {_OPACUS_ACCOUNTANTS} (each means the run's "
-                             f"own proven accountant here), got {accountant!r}")
+            raise InvalidArgumentError(
+                f"accountant must be one of Opacus' names {_OPACUS_ACCOUNTANTS} (each means the run's "
+                f"own proven accountant here), got {accountant!r}"
+            )
         self.secure_mode = bool(secure_mode)
         self.private: PrivateTraining | None = None
         self.choice = None
@@ -129,8 +132,8 @@ class PrivacyEngine:
         if not planned <= choice.target_epsilon:  # the choice priced this accountant at this sigma: never
             self.private.detach()
             self.private = None
-            raise RuntimeError(f"the planned run's epsilon {planned} exceeds the target {choice.target_epsilon}; "
-                               f"nothing was trained (please report this)")
+            raise InvalidStateError(f"the planned run's epsilon {planned} exceeds the target {choice.target_epsilon}; "
+                                    f"nothing was trained (please report this)")
         self.choice = choice
         return returned
 
@@ -170,11 +173,11 @@ class PrivacyEngine:
 
     def _check(self, extra: dict, options: dict, module) -> None:
         if self.private is not None:
-            raise ValueError("this PrivacyEngine has planned a run already; build a new PrivacyEngine for "
-                             "another run (opake prices one planned run, it does not compose runs)")
+            raise InvalidArgumentError("this PrivacyEngine has planned a run already; build a new PrivacyEngine for "
+                                       "another run (opake prices one planned run, it does not compose runs)")
         if extra:
-            raise TypeError(f"opake's PrivacyEngine does not take {sorted(extra)} (Opacus options it does not "
-                            f"implement); see docs/from_opacus.md")
+            raise InvalidTypeError(f"opake's PrivacyEngine does not take {sorted(extra)} (Opacus options it does not "
+                                   f"implement); see docs/from_opacus.md")
         refuse_other_options(**options)
         require_valid_model(module)  # before the seconds a choice can take
 
@@ -200,5 +203,5 @@ def _unplanned_horizon(strategy, sampling: str) -> int:
     mechanism = ("DP-SGD on balls-in-bins batches (poisson_sampling=False), whose random-allocation bound "
                  "depends on how often each bin is served" if getattr(strategy, "bands", None) == 1 else
                  f"{type(strategy).__name__}'s correlated noise, which is optimized and priced for the run's length")
-    raise TypeError(f"make_private without epochs= plans DP-SGD with Poisson sampling only; {mechanism} needs "
-                    f"the number of epochs the loop runs: add epochs=EPOCHS")
+    raise InvalidTypeError(f"make_private without epochs= plans DP-SGD with Poisson sampling only; {mechanism} needs "
+                           f"the number of epochs the loop runs: add epochs=EPOCHS")

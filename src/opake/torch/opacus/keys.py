@@ -19,6 +19,7 @@ import secrets
 
 import torch
 
+from opake.errors import InvalidArgumentError, InvalidTypeError
 from opake.random import RngKey, key as make_key
 
 __all__ = ["run_key"]
@@ -30,12 +31,14 @@ def run_key(key: RngKey | None, secure_mode: bool) -> RngKey:
     """The key of a run planned by the adapter (module docstring)."""
     if key is not None:
         if secure_mode:
-            raise ValueError(
+            raise InvalidArgumentError(
                 "key= and secure_mode=True contradict each other: secure_mode draws the key from the operating "
                 "system so that nobody knows it; drop key= (or secure_mode=True for a reproducible experiment)"
             )
         if not isinstance(key, RngKey):
-            raise TypeError(f"key must be an opake.random.RngKey (opake.random.key(seed)), got {type(key).__name__}")
+            raise InvalidTypeError(
+                f"key must be an opake.random.RngKey (opake.random.key(seed)), got {type(key).__name__}"
+            )
         return key
     if secure_mode:
         return make_key(secrets.randbits(128))

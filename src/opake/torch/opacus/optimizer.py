@@ -17,6 +17,7 @@ and ``isinstance(optimizer, DPOptimizer)`` still holds.
 
 from __future__ import annotations
 
+from opake.errors import InvalidTypeError
 from opake.torch.optimizer import DPOptimizer
 
 __all__ = ["OpacusDPOptimizer", "as_opacus_optimizer"]
@@ -44,7 +45,7 @@ class OpacusDPOptimizer(DPOptimizer):
     def step(self, closure=None):
         if self._skip_queue and self._skip_queue.pop(0):
             if closure is not None:
-                raise TypeError("DPOptimizer.step does not take a closure; call loss.backward() before step()")
+                raise InvalidTypeError("DPOptimizer.step does not take a closure; call loss.backward() before step()")
             self._last_step_skipped = True
             return None
         self._last_step_skipped = False
@@ -59,7 +60,7 @@ class OpacusDPOptimizer(DPOptimizer):
 def as_opacus_optimizer(optimizer: DPOptimizer) -> OpacusDPOptimizer:
     """The same ``DPOptimizer`` object, now an ``OpacusDPOptimizer`` with an empty skip queue."""
     if type(optimizer) is not DPOptimizer:
-        raise TypeError(f"expected make_private's DPOptimizer, got {type(optimizer).__name__}")
+        raise InvalidTypeError(f"expected make_private's DPOptimizer, got {type(optimizer).__name__}")
     optimizer.__class__ = OpacusDPOptimizer  # adds methods only: no state of the run moves
     optimizer._skip_queue = []
     optimizer._last_step_skipped = False

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from opake.errors import InvalidArgumentError, InvalidTypeError
 from opake.torch.loader import PlannedDataLoader
 
 __all__ = ["from_loader", "refuse_other_options", "remember_source"]
@@ -32,27 +33,35 @@ def refuse_other_options(*, clipping="flat", max_grad_norm=1.0, grad_sample_mode
                          batch_first=True, wrap_model=True, rand_on_empty=False) -> None:
     """Raise ``ValueError`` for an Opacus option other than its default that opake does not offer."""
     if clipping != "flat" or isinstance(max_grad_norm, (list, tuple)):
-        raise ValueError(f"clipping={clipping!r} is not available: opake clips each example's gradient over all "
-                         f"parameters together (flat clipping, by hooks) to one float max_grad_norm; drop the "
-                         f"argument")
+        raise InvalidArgumentError(
+            f"clipping={clipping!r} is not available: opake clips each example's gradient over all "
+            f"parameters together (flat clipping, by hooks) to one float max_grad_norm; drop the "
+            f"argument"
+        )
     if grad_sample_mode != "hooks":
-        raise ValueError(f"grad_sample_mode={grad_sample_mode!r} is not available: opake computes the clipped "
-                         f"per-example gradients with its own hooks on the module (ghost norms where a layer "
-                         f"allows); drop the argument")
+        raise InvalidArgumentError(
+            f"grad_sample_mode={grad_sample_mode!r} is not available: opake computes the clipped "
+            f"per-example gradients with its own hooks on the module (ghost norms where a layer "
+            f"allows); drop the argument"
+        )
     if noise_generator is not None:
-        raise ValueError("noise_generator is not available: the run's key seeds the batches and the noise; "
-                         "torch.manual_seed(s) before make_private reproduces a run (secure_mode=False), "
-                         "or pass key=opake.random.key(seed)")
+        raise InvalidArgumentError("noise_generator is not available: the run's key seeds the batches and the noise; "
+                                   "torch.manual_seed(s) before make_private reproduces a run (secure_mode=False), "
+                                   "or pass key=opake.random.key(seed)")
     if not batch_first:
-        raise ValueError("batch_first=False is not available: opake's hooks take the batch along dimension 0 "
-                         "(for a recurrent layer use opake.torch.DPLSTM(..., batch_first=False): its inputs "
-                         "are transposed inside)")
+        raise InvalidArgumentError("batch_first=False is not available: opake's hooks take the batch along dimension 0 "
+                                   "(for a recurrent layer use opake.torch.DPLSTM(..., batch_first=False): its inputs "
+                                   "are transposed inside)")
     if not wrap_model:
-        raise ValueError("wrap_model=False is not needed: opake never wraps the module, the returned module is "
-                         "yours with hooks (its state_dict loads into an unwrapped copy); drop the argument")
+        raise InvalidArgumentError(
+            "wrap_model=False is not needed: opake never wraps the module, the returned module is "
+            "yours with hooks (its state_dict loads into an unwrapped copy); drop the argument"
+        )
     if rand_on_empty:
-        raise ValueError("rand_on_empty=True is not available: an empty planned batch is a zero-length batch; "
-                         "the optimizer step still adds that step's noise (skip the backward when it is empty)")
+        raise InvalidArgumentError(
+            "rand_on_empty=True is not available: an empty planned batch is a zero-length batch; "
+            "the optimizer step still adds that step's noise (skip the backward when it is empty)"
+        )
 
 
 def remember_source(planned_loader: PlannedDataLoader, batch_size: int, loader_options: dict) -> None:
@@ -64,23 +73,29 @@ def from_loader(data_loader) -> tuple:
     """(dataset, batch size, loading options) of the caller's DataLoader (for a planned loader the
     adapter returned, of the DataLoader it was made from: module docstring)."""
     if not isinstance(data_loader, torch.utils.data.DataLoader):
-        raise TypeError(f"data_loader must be a torch.utils.data.DataLoader, got {type(data_loader).__name__}")
+        raise InvalidTypeError(f"data_loader must be a torch.utils.data.DataLoader, got {type(data_loader).__name__}")
     if isinstance(data_loader, PlannedDataLoader):
         source = getattr(data_loader, _SOURCE, None)
         if source is None:
-            raise ValueError("data_loader is the planned loader of a run made by opake.torch.make_private, which "
-                             "does not record the batch size it was planned with: pass a "
-                             "DataLoader(dataset, batch_size=B) for the new run")
+            raise InvalidArgumentError(
+                "data_loader is the planned loader of a run made by opake.torch.make_private, which "
+                "does not record the batch size it was planned with: pass a "
+                "DataLoader(dataset, batch_size=B) for the new run"
+            )
         batch_size, options = source
         return data_loader.dataset, batch_size, dict(options)
     dataset = data_loader.dataset
     if isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__len__"):
-        raise ValueError("data_loader must read a map-style dataset with len() (indexable examples): opake draws "
-                         "every batch by example index")
+        raise InvalidArgumentError(
+            "data_loader must read a map-style dataset with len() (indexable examples): opake draws "
+            "every batch by example index"
+        )
     if data_loader.batch_size is None:
-        raise ValueError("data_loader has no fixed batch_size (it was built with a batch_sampler or "
-                         "batch_size=None): build it with DataLoader(dataset, batch_size=B); opake uses B as the "
-                         "expected batch size of its batches")
+        raise InvalidArgumentError(
+            "data_loader has no fixed batch_size (it was built with a batch_sampler or "
+            "batch_size=None): build it with DataLoader(dataset, batch_size=B); opake uses B as the "
+            "expected batch size of its batches"
+        )
     options = {name: getattr(data_loader, name) for name in _LOADING_OPTIONS if hasattr(data_loader, name)}
     if data_loader.num_workers > 0:
         options["prefetch_factor"] = data_loader.prefetch_factor

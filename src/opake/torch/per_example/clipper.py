@@ -57,6 +57,7 @@ import torch
 from torch import nn
 
 from opake.dpftrl.clipping import clipping_rule
+from opake.errors import InvalidArgumentError, InvalidTypeError
 from opake.torch.per_example.bookkeeping import ClippedPass, LayerCall, clip_forward_pass, release, sum_dtype
 from opake.torch.per_example.errors import (ClipperUsageError, CompiledModuleError, UnhookedUseError,
                                            UnsupportedModuleError)
@@ -202,18 +203,18 @@ class PerExampleClipper:
 
     def __init__(self, module: nn.Module, max_grad_norm: float, loss_reduction: str = "mean"):
         if not isinstance(module, nn.Module):
-            raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+            raise InvalidTypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
         self.rule = clipping_rule(max_grad_norm)  # a bound C is FlatClipping(C)
         self.max_grad_norm = self.rule.sensitivity
         if loss_reduction not in LOSS_REDUCTIONS:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"loss_reduction must be one of {LOSS_REDUCTIONS} (how the loss combines the examples' "
                 f"losses over the batch dimension), got {loss_reduction!r}"
             )
         self.loss_reduction = loss_reduction
         self._plan = plan_model(module)
         if not self._plan.trainable:
-            raise ValueError("the module has no trainable parameters (requires_grad=True); nothing to clip")
+            raise InvalidArgumentError("the module has no trainable parameters (requires_grad=True); nothing to clip")
         self._module = module
         self._handles = []
         self._tracking_unclipped = False
@@ -289,10 +290,12 @@ class PerExampleClipper:
         does. ``units`` still holds one unit number per row.
         """
         if isinstance(rows_per_example, bool) or not isinstance(rows_per_example, int) or rows_per_example < 1:
-            raise ValueError(f"rows_per_example must be an integer >= 1, got {rows_per_example!r}")
+            raise InvalidArgumentError(f"rows_per_example must be an integer >= 1, got {rows_per_example!r}")
         if units is None and rows_per_example != 1:
-            raise ValueError("rows_per_example needs units: the rows of one example must be clipped together, "
-                             "as one unit")
+            raise InvalidArgumentError(
+                "rows_per_example needs units: the rows of one example must be clipped together, "
+                "as one unit"
+            )
         if units is not None:
             if isinstance(units, torch.Tensor):
                 units = units.detach().to("cpu")
@@ -300,11 +303,11 @@ class PerExampleClipper:
                 try:
                     units = torch.as_tensor(units)
                 except (TypeError, ValueError, RuntimeError):
-                    raise TypeError("units must be a 1-D sequence or tensor of integer unit numbers, "
-                                    "one per row") from None
+                    raise InvalidTypeError("units must be a 1-D sequence or tensor of integer unit numbers, "
+                                           "one per row") from None
             if units.dim() != 1 or units.dtype.is_floating_point or units.dtype.is_complex or units.dtype == torch.bool:
-                raise TypeError(f"units must be a 1-D tensor of integer unit numbers, one per row; got shape "
-                                f"{tuple(units.shape)} of {units.dtype}")
+                raise InvalidTypeError(f"units must be a 1-D tensor of integer unit numbers, one per row; got shape "
+                                       f"{tuple(units.shape)} of {units.dtype}")
             units = units.to(torch.int64)
         self._expected_units = units
         self._regroup_units = bool(regroup)

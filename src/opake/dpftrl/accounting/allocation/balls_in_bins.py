@@ -43,6 +43,7 @@ from opake.dpftrl.accounting.methods import AccountingMethod
 from opake.dpftrl.noise.priced import PricedNoise
 from opake.dpftrl.accounting.allocation.pld import BallsInBinsPLD, allocation_pld, orthogonal_bins
 from opake.dpftrl.accounting.allocation.rdp import BallsInBinsRDP, rdp_allocation
+from opake.errors import InvalidArgumentError, InvalidTypeError
 
 METHODS = ("rigorous", "monte_carlo", "amplified", "allocation_pld")
 
@@ -152,29 +153,31 @@ def balls_in_bins(
     Every result satisfies the privacy-process protocol; check ``.is_guarantee``.
     """
     if not isinstance(inner, MFGaussian):
-        raise TypeError(
+        raise InvalidTypeError(
             f"inner must be an unbound mf_gaussian(noise_multiplier, strategy), got {type(inner).__name__}"
         )
     if inner.is_bound:
-        raise ValueError(
+        raise InvalidArgumentError(
             "inner must be unbound: build it as mf_gaussian(noise_multiplier, strategy) without "
             f"n_steps; balls_in_bins supplies the participation (got {inner.participation})"
         )
     n_steps = integer_at_least("n_steps", n_steps)
     num_bins = integer_at_least("num_bins", num_bins)
     if num_bins > n_steps:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"num_bins must be <= n_steps ({n_steps}), got {num_bins}; with more bins than steps "
             "some bins are never processed; use num_bins <= n_steps"
         )
     method = METHOD_ALIASES.get(method, method)
     if method is not None and method not in METHODS:
-        raise ValueError(f"method must be None (the tightest proven bound) or one of {METHODS}, got {method!r}")
+        raise InvalidArgumentError(
+            f"method must be None (the tightest proven bound) or one of {METHODS}, got {method!r}"
+        )
     if method != "monte_carlo":
         given = (("num_samples", num_samples), ("seed", seed), ("confidence", confidence))
         extra = [name for name, value in given if value is not None]
         if extra:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"{', '.join(extra)} apply only to method='monte_carlo'; drop them for "
                 f"{'the default method' if method is None else f'method={method!r}'}, or pass "
                 "method='monte_carlo' for an estimate"

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from opake.errors import InvalidArgumentError
+
 
 def bin_gram_matrix(coefficients: np.ndarray, num_bins: int) -> np.ndarray:
     """G (num_bins x num_bins, float64, symmetric) for C with first column ``coefficients``."""
@@ -76,7 +78,7 @@ def bin_gram_of_run(rigorous, method: str) -> np.ndarray:
     negative = np.flatnonzero(coefficients < 0)
     if negative.size:
         k = int(negative[0])
-        raise ValueError(
+        raise InvalidArgumentError(
             f"method={method!r} needs a strategy matrix with non-negative entries (the balls-in-bins "
             f"dominating pair); this strategy has c_{k} = {float(coefficients[k])!r} < 0; use method='rigorous'"
         )

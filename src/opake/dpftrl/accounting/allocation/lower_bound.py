@@ -34,6 +34,7 @@ import numpy as np
 from scipy.special import log_ndtr
 
 from opake._checks import integer_at_least, positive_finite
+from opake.errors import InvalidArgumentError
 
 __all__ = ["delta_lower_bound", "noise_multiplier_lower_bound"]
 
@@ -48,7 +49,7 @@ def delta_lower_bound(noise_multiplier: float, num_bins: int, participations: in
     bins = integer_at_least("num_bins", num_bins)
     k = integer_at_least("participations", participations)
     if not (math.isfinite(epsilon) and epsilon >= 0.0):
-        raise ValueError(f"epsilon must be finite and >= 0, got {epsilon!r}")
+        raise InvalidArgumentError(f"epsilon must be finite and >= 0, got {epsilon!r}")
     a = math.sqrt(k) / sigma
     # where the test's likelihood ratio e^(a tau - a^2/2) / b crosses e^epsilon, and around it
     crossing = (epsilon + math.log(bins)) / a + a / 2.0

@@ -38,6 +38,7 @@ from opake.accounting.process import check_delta, check_epsilon, smallest_epsilo
 from opake.dpftrl.accounting.allocation.bin_gram import bin_gram_of_run
 from opake.dpftrl.accounting.methods import AccountingMethod
 from opake.dpftrl.noise.priced import PricedNoise
+from opake.errors import InvalidArgumentError, InvalidTypeError
 
 _CHUNK_ENTRIES = 1 << 21  # samples x bins per chunk (16 MiB of float64)
 
@@ -145,7 +146,7 @@ class BallsInBinsMonteCarlo:
     @property
     def dp_event(self):
         """Refused: an estimate has no dominating event. Compose ``rigorous.dp_event`` instead."""
-        raise TypeError(
+        raise InvalidTypeError(
             "a Monte Carlo estimate is not a proven bound, so it has no dp_event to compose; use "
             "the rigorous process's event (this_process.rigorous.dp_event) or method='amplified'"
         )
@@ -219,7 +220,7 @@ class BallsInBinsMonteCarlo:
         if epsilon is None:
             floor = kl_upper_bound(0.0, self.num_samples, self._failure_probability())
             needed = math.ceil(math.log(1.0 / self._failure_probability()) / delta)
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"delta={delta!r} is below the smallest delta that num_samples={self.num_samples} "
                 f"samples can bound at confidence {self.confidence} ({floor:.3g}); raise num_samples "
                 f"to more than {needed}, or use balls_in_bins(..., method='rigorous')"
@@ -247,9 +248,9 @@ class BallsInBinsMonteCarlo:
 
 def _check_int(name: str, value, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
+        raise InvalidTypeError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
     if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+        raise InvalidArgumentError(f"{name} must be >= {minimum}, got {value}")
     return int(value)
 
 
@@ -257,13 +258,13 @@ def monte_carlo(rigorous, num_samples: int, seed: int, confidence: float) -> Bal
     """Build the Monte Carlo estimate for the run priced (unamplified) by ``rigorous``."""
     num_samples = _check_int("num_samples", num_samples, 1)
     if seed is None:
-        raise ValueError(
+        raise InvalidArgumentError(
             "seed is required for method='monte_carlo' (an integer >= 0); opake never picks a "
             "random seed for you, so that the estimate can be reproduced"
         )
     seed = _check_int("seed", seed, 0)
     if isinstance(confidence, bool) or not isinstance(confidence, numbers.Real) or not 0.0 < confidence < 1.0:
-        raise ValueError(f"confidence must be a number in (0, 1), e.g. 0.95, got {confidence!r}")
+        raise InvalidArgumentError(f"confidence must be a number in (0, 1), e.g. 0.95, got {confidence!r}")
     num_bins = rigorous.num_bins
     num_samples = -(-num_samples // num_bins) * num_bins  # every bin equally often
     gram = bin_gram_of_run(rigorous, "monte_carlo")

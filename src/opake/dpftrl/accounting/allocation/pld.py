@@ -44,6 +44,7 @@ from opake.dpftrl.accounting.allocation import hockey_stick, pld_grid
 from opake.dpftrl.accounting.allocation.bin_gram import bin_gram_matrix
 from opake.dpftrl.accounting.allocation.rdp import PricesLikeTheUnamplifiedBound, rdp_delta, rdp_epsilon
 from opake.dpftrl.accounting.methods import AccountingMethod
+from opake.errors import InvalidArgumentError
 
 RESOLUTION = 1e-3
 MAX_GRID = 1 << 19
@@ -84,7 +85,7 @@ def bin_types(squared_norms, noise_multiplier: float) -> BinTypes:
     """Group the bins by G_jj (a Toeplitz C gives at most two values: k and k - 1 participations)."""
     values, counts = np.unique(np.asarray(squared_norms, dtype=np.float64), return_counts=True)
     if values.size == 0 or np.any(values <= 0.0):
-        raise ValueError("every bin must carry a contribution (G_jj > 0)")
+        raise InvalidArgumentError("every bin must carry a contribution (G_jj > 0)")
     return BinTypes(tuple(float(math.sqrt(v) / noise_multiplier) for v in values),
                     tuple(int(c) for c in counts))
 
@@ -394,7 +395,7 @@ def allocation_pld(rigorous, amplified=None) -> BallsInBinsPLD:
     coefficients = rigorous.mechanism.toeplitz_coefficients(rigorous.n_steps)
     b = rigorous.num_bins
     if not orthogonal_bins(coefficients, b):
-        raise ValueError(
+        raise InvalidArgumentError(
             "method='allocation_pld' needs orthogonal bins: a strategy with c_l = 0 for every lag l not "
             f"divisible by num_bins={b} and no negative entry (the identity strategy, i.e. DP-SGD); "
             "use method='amplified' or 'rigorous' for this strategy"

@@ -55,6 +55,7 @@ from opake.dpftrl.noise.engine.pages import OutputVectors
 from opake.dpftrl.noise.engine.state import NoiseState
 from opake.dpftrl.noise.engine.variance import step_noise_variance
 from opake.dpftrl.noise.engine.streaming import streaming_inverse
+from opake.errors import InvalidArgumentError
 from opake.random import RngKey
 from opake.types import ClippedPytree, NoisedPytree
 
@@ -237,7 +238,7 @@ def sharded_mf_gaussian_noise(
     rank; see ``engine.state`` for what each costs) at the same world size.
     """
     if ownership not in OWNERSHIP_MODES:
-        raise ValueError(f"ownership must be one of {OWNERSHIP_MODES}, got {ownership!r}")
+        raise InvalidArgumentError(f"ownership must be one of {OWNERSHIP_MODES}, got {ownership!r}")
     layout, mechanism, participation, sigma = validated_arguments(
         grad_template, strategy, n_steps, min_sep, max_participations, noise_multiplier, key, dtype)
     noise_fn = GatheredNoise(layout, mechanism, participation, sigma, key, dtype, ownership, process_group)

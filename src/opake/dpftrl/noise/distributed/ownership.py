@@ -28,6 +28,7 @@ import optree
 
 from opake.dpftrl.noise.engine.draws import BLOCK_ELEMENTS
 from opake.dpftrl.noise.engine.layout import Layout
+from opake.errors import InvalidArgumentError
 
 __all__ = ["OWNERSHIP_MODES", "balanced_ownership", "even_shards", "map_fingerprint", "ownership_map"]
 
@@ -87,7 +88,7 @@ def ownership_map(layout: Layout, world_size: int, mode: str) -> tuple[tuple[tup
                     owned.append((index, lo, hi))
             result.append(tuple(owned))
         return tuple(result)
-    raise ValueError(f"ownership must be one of {OWNERSHIP_MODES}, got {mode!r}")
+    raise InvalidArgumentError(f"ownership must be one of {OWNERSHIP_MODES}, got {mode!r}")
 
 
 def balanced_ownership(layout: Layout, world_size: int, slack: float = 1.1) -> str:
@@ -112,7 +113,9 @@ def even_shards(grad_template, rank: int, world_size: int):
     range that falls inside it (possibly ``slice(0, 0)``).
     """
     if not (isinstance(world_size, int) and world_size >= 1 and isinstance(rank, int) and 0 <= rank < world_size):
-        raise ValueError(f"need integers 0 <= rank < world_size, got rank={rank!r}, world_size={world_size!r}")
+        raise InvalidArgumentError(
+            f"need integers 0 <= rank < world_size, got rank={rank!r}, world_size={world_size!r}"
+        )
     layout = Layout.from_template(grad_template)
     share = -(-layout.size // world_size)
     begin, end = rank * share, min(layout.size, (rank + 1) * share)

@@ -30,6 +30,7 @@ from opake.dpftrl.noise.engine.layout import path_text
 from opake.dpftrl.noise.engine.state import NoiseState
 from opake.dpftrl.noise.engine.variance import step_noise_variance
 from opake.dpftrl.noise.engine.streaming import streaming_inverse
+from opake.errors import InvalidArgumentError, InvalidTypeError
 from opake.random import RngKey
 from opake.types import ClippedPytree, NoisedPytree
 
@@ -39,7 +40,7 @@ __all__ = ["ShardNoise", "shard_mf_gaussian_noise"]
 def _shard_ranges(layout, shards) -> list[tuple[int, int]]:
     paths, leaves, treespec = optree.tree_flatten_with_path(shards)
     if treespec != layout.treespec:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"shards must have grad_template's structure with one slice(start, stop) per parameter; "
             f"got structure {treespec}, expected {layout.treespec}"
         )
@@ -47,10 +48,10 @@ def _shard_ranges(layout, shards) -> list[tuple[int, int]]:
     for slot, leaf in zip(layout.leaves, leaves):
         where = path_text(slot.path)
         if not isinstance(leaf, slice) or leaf.step not in (None, 1):
-            raise TypeError(f"shards[{where!r}] must be slice(start, stop) (step 1), got {leaf!r}")
+            raise InvalidTypeError(f"shards[{where!r}] must be slice(start, stop) (step 1), got {leaf!r}")
         start, stop = leaf.start or 0, slot.numel if leaf.stop is None else leaf.stop
         if not (isinstance(start, int) and isinstance(stop, int) and 0 <= start <= stop <= slot.numel):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"shards[{where!r}] = {leaf!r} is not a range of the parameter's {slot.numel} elements; "
                 f"need 0 <= start <= stop <= {slot.numel}"
             )
@@ -79,7 +80,7 @@ class ShardNoise(PieceStage):
             self.check_clipped(clipped)
             paths, leaves, treespec = optree.tree_flatten_with_path(clipped.pytree)
             if treespec != self.layout.treespec:
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"the gradient shards do not have grad_template's structure (got {treespec}, "
                     f"expected {self.layout.treespec}); pass this rank's shard of every parameter"
                 )
@@ -87,15 +88,19 @@ class ShardNoise(PieceStage):
             for piece, leaf in zip(self.pieces, leaves):
                 where = path_text(piece.slot.path)
                 if not isinstance(leaf, torch.Tensor) or not leaf.is_floating_point():
-                    raise TypeError(f"gradient shard {where!r} must be a floating-point torch.Tensor, got {leaf!r:.80}")
+                    raise InvalidTypeError(
+                        f"gradient shard {where!r} must be a floating-point torch.Tensor, got {leaf!r:.80}"
+                    )
                 check_dense_gradient(where, leaf)
                 if leaf.shape != (piece.length,):
-                    raise ValueError(
+                    raise InvalidArgumentError(
                         f"gradient shard {where!r} has shape {tuple(leaf.shape)} but this rank's shard is "
                         f"elements [{piece.start}, {piece.stop}) of the parameter: expected ({piece.length},)"
                     )
                 if leaf.device != self.device:
-                    raise ValueError(f"gradient shard {where!r} is on {leaf.device}, the stage on {self.device}")
+                    raise InvalidArgumentError(
+                        f"gradient shard {where!r} is on {leaf.device}, the stage on {self.device}"
+                    )
                 gradients.append(leaf)
             self.check_finite(gradients)
             scale = self.noise_multiplier * clipped.l2_bound / clipped.normalization

@@ -26,7 +26,7 @@ from opake.dpftrl.noise.engine.correlated_noise import check_dense_gradient
 from opake.dpftrl.noise.engine.layout import Layout, path_text
 from opake.dpftrl.noise.engine.state import check_state_for, NoiseState
 from opake.dpftrl.noise.priced import check_noise_priced
-from opake.errors import OpakeError
+from opake.errors import InvalidArgumentError, InvalidTypeError, OpakeError
 from opake.random import RngKey
 from opake.types import ClippedPytree
 
@@ -113,7 +113,7 @@ class PieceStage:
     @staticmethod
     def check_clipped(clipped) -> None:
         if not isinstance(clipped, ClippedPytree):
-            raise TypeError(
+            raise InvalidTypeError(
                 f"noise_fn needs an opake.types.ClippedPytree, which carries the L2 bound that "
                 f"scales the noise; got {type(clipped).__name__}. Wrap gradients you clipped "
                 f"yourself with opake.types.clipped(pytree, l2_bound=..., normalization=...)"
@@ -128,7 +128,7 @@ class PieceStage:
         """``gradients``: the 1-D gradient stretch of each owned piece."""
         for piece, gradient in zip(self.pieces, gradients):
             if gradient.numel() and not all(math.isfinite(v.item()) for v in torch.aminmax(gradient)):
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"the gradients contain NaN or inf (in {path_text(piece.slot.path)!r}); noise "
                     f"cannot make them private. Check the loss and the clipping before calling noise_fn"
                 )

@@ -70,6 +70,7 @@ from opake.dpftrl.noise.engine.streaming import streaming_inverse
 from opake.dpftrl.noise.priced import check_noise_priced
 from opake._checks import positive_finite
 from opake.dpftrl.participation import Participation
+from opake.errors import InvalidArgumentError, InvalidTypeError
 from opake.random import RngKey
 from opake.types import ClippedPytree, NoisedPytree
 
@@ -120,12 +121,12 @@ def check_dense_gradient(where: str, leaf: torch.Tensor) -> None:
     written): sparse or otherwise non-strided layouts, and floating dtypes other than float16,
     bfloat16, float32 and float64. Shared by the engine and the distributed stages."""
     if leaf.layout != torch.strided:
-        raise TypeError(
+        raise InvalidTypeError(
             f"gradient {where!r} has layout {leaf.layout}; the noise engine adds noise to every "
             f"element, so it needs a dense tensor: pass {where!r} as gradient.to_dense()"
         )
     if leaf.dtype not in _GRADIENT_DTYPES:
-        raise TypeError(
+        raise InvalidTypeError(
             f"gradient {where!r} has dtype {leaf.dtype}; the noise engine supports float16, "
             f"bfloat16, float32 and float64 gradients: convert it, e.g. gradient.float()"
         )
@@ -137,12 +138,12 @@ def _resolve(strategy, participation: Participation):
         return strategy.resolve(participation.n_steps, participation.min_sep, participation.max_participations)
     if all(hasattr(strategy, name) for name in ("theta", "omega", "participation", "fingerprint")):
         if strategy.participation != participation:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"the mechanism was resolved for ({strategy.participation}) but the noise is asked for "
                 f"({participation}); accounting and noise must use the same context"
             )
         return strategy
-    raise TypeError(
+    raise InvalidTypeError(
         f"strategy must be a recipe such as blt_strategy(...) or identity_strategy() (or a resolved "
         f"Mechanism), got {type(strategy).__name__}"
     )
@@ -199,7 +200,7 @@ class CorrelatedNoise:
 
     def _check_gradients(self, clipped) -> list[torch.Tensor]:
         if not isinstance(clipped, ClippedPytree):
-            raise TypeError(
+            raise InvalidTypeError(
                 f"noise_fn needs an opake.types.ClippedPytree, which carries the L2 bound that "
                 f"scales the noise; got {type(clipped).__name__}. Wrap gradients you clipped "
                 f"yourself with opake.types.clipped(pytree, l2_bound=..., normalization=...)"
@@ -227,7 +228,7 @@ class CorrelatedNoise:
             bad = [path_text(slot.path) for slot, leaf in zip(self.layout.leaves, leaves)
                    if leaf.numel() and not all(math.isfinite(v.item()) for v in torch.aminmax(leaf))]
             if bad:
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"the gradients contain NaN or inf (in {bad}); noise cannot make them "
                     f"private. Check the loss and the clipping before calling noise_fn"
                 )
@@ -393,18 +394,18 @@ def validated_arguments(grad_template, strategy, n_steps, min_sep, max_participa
                         key, dtype):
     """The checked (layout, mechanism, participation, noise multiplier) of a noise stage."""
     if not isinstance(key, RngKey):
-        raise TypeError(
+        raise InvalidTypeError(
             f"key must be an opake.random.RngKey, e.g. key=opake.random.key(42); got {type(key).__name__}"
         )
     if dtype not in _COMPUTE_DTYPES:
-        raise ValueError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
+        raise InvalidArgumentError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
     sigma = positive_finite("noise_multiplier", noise_multiplier,
                             "calibrate it to the privacy budget with opake.accounting.calibrate")
     participation = Participation(n_steps, min_sep, max_participations)
     layout = Layout.from_template(grad_template)
     for slot in layout.leaves:
         if slot.dtype not in _GRADIENT_DTYPES:
-            raise TypeError(
+            raise InvalidTypeError(
                 f"grad_template leaf {path_text(slot.path)!r} has dtype {slot.dtype}; the noise "
                 f"engine supports float16, bfloat16, float32 and float64 parameters"
             )

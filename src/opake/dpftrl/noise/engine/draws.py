@@ -34,6 +34,7 @@ import functools
 import numpy as np
 import torch
 
+from opake.errors import InvalidArgumentError, InvalidStateError, InvalidTypeError
 from opake.random import RngKey, encode_parts
 
 __all__ = ["BLOCK_ELEMENTS", "BlockSampler", "path_code"]
@@ -55,7 +56,7 @@ def path_code(path: tuple) -> bytes:
     """Canonical bytes for a pytree path (a tuple of dict keys and sequence indices)."""
     for entry in path:
         if isinstance(entry, bool) or not isinstance(entry, (int, str)):
-            raise TypeError(
+            raise InvalidTypeError(
                 f"pytree keys must be str or int to name parameters in the noise derivation; the "
                 f"path {path!r} has {entry!r} ({type(entry).__name__}). Use string keys, e.g. "
                 f"dict(model.named_parameters())"
@@ -87,7 +88,7 @@ def _cpu_state_template() -> np.ndarray:
         and [int(words[i]) for i in (0, 1, 2, 623)] == [_init_genrand_word(probe_seed, i) for i in (0, 1, 2, 623)]
     )
     if not layout_ok:
-        raise RuntimeError(
+        raise InvalidStateError(
             f"torch {torch.__version__} stores its CPU generator state in a layout this opake "
             f"version does not know, so it cannot seed CPU noise with the full key; use the "
             f"torch version opake was tested with or report this"
@@ -104,7 +105,7 @@ class BlockSampler:
 
     def __init__(self, key: RngKey, device: torch.device):
         if not isinstance(key, RngKey):
-            raise TypeError(
+            raise InvalidTypeError(
                 f"key must be an opake.random.RngKey (use opake.random.key(seed)), got {type(key).__name__}"
             )
         self.key = key
@@ -112,7 +113,7 @@ class BlockSampler:
         try:
             self._generator = torch.Generator(device=self.device)
         except RuntimeError as exc:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"cannot draw noise on device {self.device} ({exc}); build the engine from a "
                 f"grad_template on a CPU or accelerator device"
             ) from None

@@ -14,6 +14,7 @@ import optree
 import torch
 
 from opake.dpftrl.noise.engine.draws import BLOCK_ELEMENTS, path_code
+from opake.errors import InvalidArgumentError, InvalidTypeError
 
 __all__ = ["Layout", "LeafSlot"]
 
@@ -52,7 +53,7 @@ class Layout:
     def from_template(cls, template) -> Layout:
         paths, leaves, treespec = optree.tree_flatten_with_path(template)
         if not leaves:
-            raise ValueError(
+            raise InvalidArgumentError(
                 "grad_template has no tensors; pass the model's parameters, e.g. "
                 "dict(model.named_parameters()) or a single tensor"
             )
@@ -60,12 +61,12 @@ class Layout:
         digest = hashlib.sha256()
         for path, leaf in zip(paths, leaves):
             if not isinstance(leaf, torch.Tensor):
-                raise TypeError(
+                raise InvalidTypeError(
                     f"grad_template leaves must be torch.Tensor; the leaf at {path_text(path)!r} is "
                     f"{type(leaf).__name__}"
                 )
             if not leaf.is_floating_point():
-                raise TypeError(
+                raise InvalidTypeError(
                     f"grad_template leaf {path_text(path)!r} has dtype {leaf.dtype}; gradients are "
                     f"floating point, so leave integer/bool tensors out of the template"
                 )
@@ -75,7 +76,7 @@ class Layout:
             digest.update(code + repr(tuple(leaf.shape)).encode() + b"|")
             offset += leaf.numel()
         if len(devices) != 1:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"grad_template tensors are on several devices {sorted(map(str, devices))}; the noise "
                 f"engine keeps one flat buffer on one device: build one engine per device"
             )
@@ -94,26 +95,26 @@ class Layout:
             missing, extra = sorted(expected - got), sorted(got - expected)
             detail = f"missing {missing}, unexpected {extra}" if (missing or extra) else (
                 f"expected structure {self.treespec}, got {treespec}")
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"the gradients do not have the structure of grad_template ({detail}); pass "
                 f"gradients for exactly the parameters the engine was built for"
             )
         for slot, leaf in zip(self.leaves, leaves):
             where = path_text(slot.path)
             if not isinstance(leaf, torch.Tensor):
-                raise TypeError(f"gradient {where!r} is {type(leaf).__name__}, expected a torch.Tensor")
+                raise InvalidTypeError(f"gradient {where!r} is {type(leaf).__name__}, expected a torch.Tensor")
             if leaf.shape != slot.shape:
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"gradient {where!r} has shape {tuple(leaf.shape)} but grad_template has "
                     f"{tuple(slot.shape)}"
                 )
             if leaf.device != self.device:
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"gradient {where!r} is on {leaf.device} but the noise engine is on {self.device}; "
                     f"move the gradients or build the engine from a template on {leaf.device}"
                 )
             if not leaf.is_floating_point():
-                raise TypeError(
+                raise InvalidTypeError(
                     f"gradient {where!r} has dtype {leaf.dtype}; noise is added to floating-point "
                     f"gradients only (grad_template has {slot.dtype})"
                 )

@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 import torch
 
 from opake.dpftrl.noise.engine.streaming import inverse_from_description
-from opake.errors import OpakeError
+from opake.errors import InvalidArgumentError, InvalidTypeError, OpakeError
 from opake.random import RngKey
 
 __all__ = [
@@ -103,7 +103,8 @@ class NoiseHorizonError(OpakeError, RuntimeError):
 
 
 class CheckpointIntegrityError(OpakeError, ValueError):
-    """A noise-state checkpoint whose contents do not match its digest, or with non-finite buffers."""
+    """A noise-state checkpoint that is not one ``state_dict()`` wrote, unchanged: truncated, edited or of
+    another version, with contents that do not match its digest, or with non-finite buffers."""
 
 
 def fresh_draw_key(fresh_key: RngKey) -> RngKey:
@@ -118,19 +119,19 @@ def fresh_draw_key(fresh_key: RngKey) -> RngKey:
 def _require_choice(draws, fresh_key, action: str) -> None:
     """Raise unless exactly one of draws='replay' and fresh_key=RngKey was given."""
     if draws is None and fresh_key is None:
-        raise TypeError(
+        raise InvalidTypeError(
             f"{action} needs an explicit choice of noise draws, and there is no default: pass "
             f"draws='replay' or fresh_key=k. Each has a privacy cost: {_CHOICE} (see {_SECURITY})"
         )
     if draws is not None and fresh_key is not None:
-        raise TypeError(f"{action}: pass either draws='replay' or fresh_key=k, not both")
+        raise InvalidTypeError(f"{action}: pass either draws='replay' or fresh_key=k, not both")
     if draws is not None and draws != "replay":
-        raise ValueError(
+        raise InvalidArgumentError(
             f"{action}: draws must be 'replay', got {draws!r}; to draw new noise pass fresh_key=k "
             f"instead (an opake.random.RngKey never used in this run)"
         )
     if fresh_key is not None and not isinstance(fresh_key, RngKey):
-        raise TypeError(
+        raise InvalidTypeError(
             f"{action}: fresh_key must be an opake.random.RngKey (e.g. opake.random.key(seed) or "
             f"root.fold_in('retry-1')), got {type(fresh_key).__name__}"
         )
@@ -143,7 +144,7 @@ def _chosen_draw_key(draws, fresh_key, *, engine_key: RngKey, current: RngKey, a
         return current
     derived = fresh_draw_key(fresh_key)
     if fresh_key in (engine_key, current) or derived == current:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"{action}: fresh_key is the engine's key or the key this state already draws with, so "
             f"its draws would replay the noise already released instead of drawing new noise; "
             f"pass a key never used in this run (e.g. root.fold_in('retry-1')), or draws='replay' "
@@ -304,16 +305,16 @@ class NoiseState:
     # -- copies that could not choose -----------------------------------------------------
 
     def __reduce_ex__(self, protocol):
-        raise TypeError(_NO_IMPLICIT_COPY)
+        raise InvalidTypeError(_NO_IMPLICIT_COPY)
 
     def __reduce__(self):
-        raise TypeError(_NO_IMPLICIT_COPY)
+        raise InvalidTypeError(_NO_IMPLICIT_COPY)
 
     def __copy__(self):
-        raise TypeError(_NO_IMPLICIT_COPY)
+        raise InvalidTypeError(_NO_IMPLICIT_COPY)
 
     def __deepcopy__(self, memo):
-        raise TypeError(_NO_IMPLICIT_COPY)
+        raise InvalidTypeError(_NO_IMPLICIT_COPY)
 
     # -- equality -------------------------------------------------------------------------
 
@@ -397,7 +398,7 @@ class NoiseState:
                 f"{tuple(reference.shape)} {reference.dtype}"
             )
         if mismatches:
-            raise ValueError(
+            raise InvalidArgumentError(
                 "this checkpoint belongs to a different noise engine configuration ("
                 + "; ".join(mismatches)
                 + "); build the engine with the same grad_template, strategy, n_steps, min_sep, "
@@ -451,7 +452,7 @@ def _metadata_bytes(state_dict: dict) -> bytes:
     try:
         return json.dumps(metadata, sort_keys=True, separators=(",", ":"), allow_nan=True).encode()
     except (TypeError, ValueError) as error:
-        raise ValueError(f"noise-state checkpoint metadata is not plain data ({error})") from None
+        raise CheckpointIntegrityError(f"noise-state checkpoint metadata is not plain data ({error})") from None
 
 
 def _buffer_chunks(buffers: torch.Tensor):
@@ -475,42 +476,48 @@ def checkpoint_digest(state_dict: dict) -> str:
 def _checked_fields(state_dict) -> dict:
     """``state_dict`` after checking its format, version, fields and integrity."""
     if not isinstance(state_dict, dict) or state_dict.get("format") != STATE_FORMAT:
-        raise ValueError(
+        raise CheckpointIntegrityError(
             "not a noise-state checkpoint: expected the dict returned by NoiseState.state_dict()"
         )
     if state_dict.get("version") != STATE_VERSION:
-        raise ValueError(
+        raise CheckpointIntegrityError(
             f"noise-state checkpoint version {state_dict.get('version')!r} is not supported "
             f"(this opake reads version {STATE_VERSION}); resume with the opake version that saved it"
         )
     missing = [name for name in _FIELDS if name not in state_dict]
     if missing:
-        raise ValueError(f"noise-state checkpoint is missing {missing}; it is truncated or was edited")
+        raise CheckpointIntegrityError(f"noise-state checkpoint is missing {missing}; it is truncated or was edited")
     unexpected = sorted(map(str, set(state_dict) - set(_FIELDS)))
     if unexpected:
-        raise ValueError(f"noise-state checkpoint has unexpected entries {unexpected}; it was edited or corrupted")
+        raise CheckpointIntegrityError(
+            f"noise-state checkpoint has unexpected entries {unexpected}; it was edited or corrupted"
+        )
     step, n_steps = state_dict["step"], state_dict["n_steps"]
     if not (type(step) is int and type(n_steps) is int and 0 <= step <= n_steps):
-        raise ValueError(f"noise-state checkpoint has an invalid step {step!r} for n_steps {n_steps!r}")
+        raise CheckpointIntegrityError(f"noise-state checkpoint has an invalid step {step!r} for n_steps {n_steps!r}")
     sigma = state_dict["noise_multiplier"]
     if not isinstance(sigma, float) or not math.isfinite(sigma) or sigma <= 0:
-        raise ValueError(f"noise-state checkpoint has an invalid noise_multiplier {sigma!r}")
+        raise CheckpointIntegrityError(f"noise-state checkpoint has an invalid noise_multiplier {sigma!r}")
     for name in ("key", "draw_key"):
         try:
             RngKey.from_hex(state_dict[name])
         except (TypeError, ValueError, AttributeError):
-            raise ValueError(
+            raise CheckpointIntegrityError(
                 f"noise-state checkpoint has an invalid {name} {state_dict[name]!r:.80}; expected 64 hex digits"
             ) from None
     for name in ("mechanism_fingerprint", "layout_fingerprint", "digest"):
         if not isinstance(state_dict[name], str):
-            raise ValueError(f"noise-state checkpoint has a non-text {name} ({type(state_dict[name]).__name__})")
+            raise CheckpointIntegrityError(
+                f"noise-state checkpoint has a non-text {name} ({type(state_dict[name]).__name__})"
+            )
     if not isinstance(state_dict["inverse"], dict):
-        raise ValueError("noise-state checkpoint 'inverse' must be a dict (the streaming inverse's description)")
+        raise CheckpointIntegrityError(
+            "noise-state checkpoint 'inverse' must be a dict (the streaming inverse's description)"
+        )
     buffers = state_dict["buffers"]
     if (not isinstance(buffers, torch.Tensor) or buffers.dim() != 2 or buffers.layout != torch.strided
             or buffers.dtype not in _BUFFER_DTYPES):
-        raise ValueError("noise-state checkpoint 'buffers' must be a dense 2-D float32 or float64 tensor")
+        raise CheckpointIntegrityError("noise-state checkpoint 'buffers' must be a dense 2-D float32 or float64 tensor")
     if checkpoint_digest(state_dict) != state_dict["digest"]:
         raise CheckpointIntegrityError(
             "noise-state checkpoint failed its integrity check: its SHA-256 digest does not match "
@@ -535,7 +542,7 @@ def check_state_for(stage, state, *, mechanism: str, layout: str, columns: int, 
     is written. The draw key is not compared: a fresh-key state belongs to the same engine.
     """
     if not isinstance(state, NoiseState):
-        raise TypeError(
+        raise InvalidTypeError(
             f"noise_fn's second argument must be the NoiseState returned by {returned_by}, "
             f"got {type(state).__name__}"
         )
@@ -547,7 +554,7 @@ def check_state_for(stage, state, *, mechanism: str, layout: str, columns: int, 
             dtype=stage.dtype, device=stage.device,
         )
         if mismatches:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"this noise state belongs to a different noise engine (differs in: "
                 f"{', '.join(mismatches)}); pass the state returned by {returned_by}"
             )

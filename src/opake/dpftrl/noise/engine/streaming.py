@@ -29,6 +29,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from opake.errors import InvalidArgumentError
+
 __all__ = ["BandedInverse", "BufferedInverse", "IdentityInverse", "streaming_inverse"]
 
 
@@ -97,25 +99,25 @@ class BufferedInverse:
         omega = np.asarray(self.omega, dtype=np.float64).reshape(-1)
         one_minus_theta = np.asarray(self.one_minus_theta, dtype=np.float64).reshape(-1)
         if omega.shape != one_minus_theta.shape or omega.size == 0:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"a BLT needs as many output scales as decays (at least one); got "
                 f"{omega.size} omega and {one_minus_theta.size} theta values"
             )
         theta = 1.0 - one_minus_theta
         if not (np.all(np.isfinite(omega)) and np.all(np.isfinite(one_minus_theta))):
-            raise ValueError("BLT parameters must be finite; got theta={theta}, omega={omega}".format(
+            raise InvalidArgumentError("BLT parameters must be finite; got theta={theta}, omega={omega}".format(
                 theta=theta.tolist(), omega=omega.tolist()))
         # The preconditions under which the resolved sensitivity is valid (docs/math.md section 4):
         # outside them the accounting does not describe the noise this engine would add.
         if np.any(one_minus_theta < 0.0) or np.any(one_minus_theta > 1.0):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"BLT decays theta must lie in [0, 1], got {theta.tolist()}; resolve the strategy "
                 f"with blt_strategy(...) or check the hand-made parameters"
             )
         if np.any(omega < 0.0):
-            raise ValueError(f"BLT output scales omega must be >= 0, got {omega.tolist()}")
+            raise InvalidArgumentError(f"BLT output scales omega must be >= 0, got {omega.tolist()}")
         if math.fsum(omega.tolist()) > 1.0:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"BLT output scales must sum to at most 1 (got sum(omega) = {math.fsum(omega.tolist())!r}); "
                 f"outside this range the min-sep sensitivity theorem does not hold"
             )
@@ -131,7 +133,7 @@ class BufferedInverse:
         omega = np.asarray(self.omega)
         one_minus_theta = np.asarray(self.one_minus_theta)
         if not (_exact_in(omega, dtype) and _exact_in(one_minus_theta, dtype)):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"the BLT parameters are not exactly representable in {dtype}, so the noise would "
                 f"come from a slightly different mechanism than the one accounted for; resolve "
                 f"the strategy with blt_strategy(...) (its parameters are float32-exact), round "
@@ -195,7 +197,7 @@ class BandedInverse:
     def __post_init__(self):
         coefs = np.asarray(self.coefs, dtype=np.float64).reshape(-1)
         if coefs.size < 1 or not np.all(np.isfinite(coefs)) or coefs[0] <= 0.0:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"a banded strategy needs finite coefficients c_0 > 0, c_1, ..., got {coefs.tolist()}"
             )
         object.__setattr__(self, "coefs", tuple(float(v) for v in coefs))
@@ -206,7 +208,7 @@ class BandedInverse:
 
     def check_dtype(self, dtype: torch.dtype) -> None:
         if not _exact_in(np.asarray(self.coefs), dtype):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"the banded coefficients are not exactly representable in {dtype}; round them "
                 f"before resolving the mechanism or pass dtype=torch.float64"
             )
@@ -281,7 +283,7 @@ def streaming_inverse(mechanism):
 def inverse_from_description(description: dict):
     """Rebuild a streaming inverse from :meth:`describe` output (used when loading a state)."""
     if not isinstance(description, dict) or "kind" not in description:
-        raise ValueError(f"not a streaming-inverse description: {description!r}")
+        raise InvalidArgumentError(f"not a streaming-inverse description: {description!r}")
     kind = description["kind"]
     if kind == "identity":
         return IdentityInverse()
@@ -289,4 +291,4 @@ def inverse_from_description(description: dict):
         return BufferedInverse(tuple(description["omega"]), tuple(description["one_minus_theta"]))
     if kind == "banded":
         return BandedInverse(tuple(description["coefs"]))
-    raise ValueError(f"unknown streaming-inverse kind {kind!r} (expected identity, blt or banded)")
+    raise InvalidArgumentError(f"unknown streaming-inverse kind {kind!r} (expected identity, blt or banded)")

@@ -17,6 +17,7 @@ from __future__ import annotations
 from torch import nn
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
+from opake.errors import InvalidArgumentError, InvalidTypeError
 from opake.torch.per_example.rules import conv, embedding, functional, linear, normalization
 from opake.torch.per_example.rules.base import LayerRule
 from opake.torch.per_example.rules.functional import FUSED_TYPES
@@ -48,14 +49,14 @@ def qualified_name(layer_type: type) -> str:
 def _checked(layer_type):
     if isinstance(layer_type, str):
         if "." not in layer_type.strip(".") or layer_type != layer_type.strip():
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"a layer type given by name must be its qualified name, 'package.module.Class' (as "
                 f"type(layer).__module__ + '.' + type(layer).__qualname__), got {layer_type!r}"
             )
         return layer_type
     if isinstance(layer_type, type) and issubclass(layer_type, nn.Module):
         return layer_type
-    raise TypeError(
+    raise InvalidTypeError(
         f"layer_type must be a torch.nn.Module subclass or its qualified name as a string, got {layer_type!r}"
     )
 
@@ -86,14 +87,16 @@ def register_rule(layer_type, rule: LayerRule | None = None, *, replace: bool = 
 
         return decorate
     if not isinstance(rule, LayerRule):
-        raise TypeError(
+        raise InvalidTypeError(
             f"rule must be an instance of a LayerRule subclass (opake.torch.per_example.LayerRule), "
             f"got {type(rule).__name__}"
         )
     existing = registered_rule(layer_type)
     if existing is not None and not replace:
         name = layer_type if isinstance(layer_type, str) else qualified_name(layer_type)
-        raise ValueError(f"{name} already has a rule ({type(existing).__name__}); pass replace=True to replace it")
+        raise InvalidArgumentError(
+            f"{name} already has a rule ({type(existing).__name__}); pass replace=True to replace it"
+        )
     if isinstance(layer_type, str):
         for known in [known for known in _BY_TYPE if qualified_name(known) == layer_type]:
             del _BY_TYPE[known]
