@@ -554,3 +554,13 @@ def test_a_scheduler_built_before_make_private_still_counts_the_private_steps():
                 scheduler.step()
     assert private.steps_taken == 8
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5 ** 8)
+
+
+@pytest.mark.parametrize("clipping", ["flat", "automatic"])
+def test_the_clip_bound_is_one_value_from_plan_to_optimizer(clipping):
+    """The clipping rule is normalised once, by the plan; the clipper holds that very value, and the
+    optimizer's bound (the released pytree's l2_bound, Opacus' optimizer.max_grad_norm) reads it."""
+    private = _make(max_grad_norm=0.5, clipping=clipping)
+    assert private.optimizer.clipper.rule is private.plan.clipping
+    assert private.optimizer.max_grad_norm == private.plan.max_grad_norm == 0.5
+    assert "max_grad_norm" not in vars(private.optimizer)  # no second copy to drift

@@ -69,19 +69,20 @@ class DPOptimizer(torch.optim.Optimizer):
     """Wraps ``optimizer``; ``step()`` replaces the gradients by clipped sums plus noise first.
 
     Built by ``make_private``: ``run`` is the run's ``PrivateRun`` (planned batches, noise engine
-    and state), ``clipper`` the per-example clipper of the module, ``parameters`` the trainable
-    parameters by name (the engine's template), ``max_grad_norm`` the clipping bound,
-    ``normalization`` the constant divisor of the clipped sum, ``noise_multiplier`` the plan's
-    sigma (read by Opacus-style scripts as ``optimizer.noise_multiplier``), ``reduction`` how the
+    and state), ``clipper`` the per-example clipper of the module (its clipping rule, normalised
+    once when the run was planned, is the one bound: ``max_grad_norm`` reads it), ``parameters``
+    the trainable parameters by name (the engine's template), ``normalization`` the constant
+    divisor of the clipped sum, ``noise_multiplier`` the plan's sigma (read by Opacus-style
+    scripts as ``optimizer.noise_multiplier``), ``reduction`` how the
     sums meet across processes (``opake.torch.reduction``), ``autograd_parameters`` the tensors
     autograd accumulates into when they are not the parameters (FSDP's unsharded ones),
     ``noise_correction`` whether the wrapped Adam's second moment is corrected for the noise
     (``opake.torch.adamw.NoiseCorrection``, from ``noise_correction_for``).
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, *, run, clipper, parameters: dict, max_grad_norm: float,
-                 normalization: float, noise_multiplier: float, noise_correction: NoiseCorrection, reduction=None,
-                 autograd_parameters=None, contract=None):
+    def __init__(self, optimizer: torch.optim.Optimizer, *, run, clipper, parameters: dict, normalization: float,
+                 noise_multiplier: float, noise_correction: NoiseCorrection, reduction=None, autograd_parameters=None,
+                 contract=None):
         # Not Optimizer.__init__: the wrapped optimizer owns the groups and the state.
         self.original_optimizer = optimizer
         self.noise_correction = noise_correction
@@ -90,7 +91,6 @@ class DPOptimizer(torch.optim.Optimizer):
         self.clipper = clipper
         self.contract = contract
         self.parameters = parameters
-        self.max_grad_norm = float(max_grad_norm)
         self.normalization = float(normalization)
         self.noise_multiplier = float(noise_multiplier)
         self.reduction = SingleProcess() if reduction is None else reduction
@@ -140,6 +140,11 @@ class DPOptimizer(torch.optim.Optimizer):
         self.guard.remove()
 
     # -- the run, as Opacus-style code reads it ----------------------------------------------
+
+    @property
+    def max_grad_norm(self) -> float:
+        """The clipping bound C: the clipper's rule's sensitivity (the one value the plan normalised)."""
+        return self.clipper.max_grad_norm
 
     @property
     def noise_state(self):
@@ -195,7 +200,7 @@ class DPOptimizer(torch.optim.Optimizer):
         self.clipper.reset()
         sums = self.reduction.reduce(sums)
         gradients = clipped({name: sums[name] / self.normalization for name in self.parameters},
-                            l2_bound=self.max_grad_norm, normalization=self.normalization)
+                            l2_bound=self.clipper.max_grad_norm, normalization=self.normalization)
         noisy = self.run.release(gradients)
         self.reduction.write(self.parameters, noisy.pytree)
         self.last_step_examples = examples

@@ -383,9 +383,9 @@ def attach(plan: PrivacyPlan, *, module: nn.Module, optimizer: torch.optim.Optim
     contract.hook()  # registered first: runs before the clipper's hooks
     contract.restarts = launcher_restarts()  # a restarted worker restores its run before training it
     private_optimizer = DPOptimizer(optimizer, run=run, clipper=clipper, parameters=parameters,
-                                    autograd_parameters=autograd_parameters, max_grad_norm=plan.max_grad_norm,
-                                    normalization=plan.expected_batch_size, noise_multiplier=plan.noise_multiplier,
-                                    reduction=reduction, noise_correction=noise_correction, contract=contract)
+                                    autograd_parameters=autograd_parameters, normalization=plan.expected_batch_size,
+                                    noise_multiplier=plan.noise_multiplier, reduction=reduction,
+                                    noise_correction=noise_correction, contract=contract)
     private = PrivateTraining(module, private_optimizer, dataset, plan, loader_options, loss_hooks)
     setattr(module, _MARK, weakref.ref(private))
     return private

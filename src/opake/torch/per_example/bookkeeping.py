@@ -39,7 +39,6 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from opake.dpftrl.clipping import clipping_rule
 from opake.torch.per_example import units as unit_norms
 from opake.torch.per_example.errors import BatchDimensionError, ClipperUsageError, NonFiniteGradientError
 from opake.torch.per_example.model import HookedLayer, describe
@@ -150,12 +149,14 @@ def _tied_squares(held: list[tuple[LayerCall, str]], dtype, own: torch.Tensor | 
 
 
 def clip_forward_pass(
-    calls: list[LayerCall], *, max_grad_norm, mean: bool, shared: frozenset, batch_size: int | None,
+    calls: list[LayerCall], *, rule, mean: bool, shared: frozenset, batch_size: int | None,
     unclipped: bool = False, units: torch.Tensor | None = None, regroup: bool = True, placeholder: bool = False,
 ) -> ClippedPass:
-    """Clip each example of one forward pass to ``max_grad_norm`` and sum, per parameter.
+    """Clip each example of one forward pass by the clipping ``rule`` and sum, per parameter.
 
-    ``max_grad_norm`` is a clipping rule (``opake.dpftrl.clipping.FlatClipping``) or its bound.
+    ``rule`` is the clipping rule value (``opake.dpftrl.clipping.FlatClipping``,
+    ``AutomaticClipping``), normalised once where the run was planned; its ``factors`` scale each
+    example (or unit) by its norm.
 
     With ``unclipped=True`` the sums are also formed with every factor 1: what autograd put in
     ``.grad`` for this pass if every use of every parameter went through the hooked layers
@@ -242,7 +243,7 @@ def clip_forward_pass(
     # For a mean, every stored output gradient carries the pass's 1/B (B its rows, units or not).
     scale = float(batch) if mean else 1.0
     norms = torch.sqrt(total) * scale
-    factors, clipped = clipping_rule(max_grad_norm).factors(norms)
+    factors, clipped = rule.factors(norms)
     weights = factors * scale  # per clipped quantity: an example, or a unit
     if placeholder:
         if grouping is not None:

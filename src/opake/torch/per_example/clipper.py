@@ -635,7 +635,7 @@ class PerExampleClipper:
                     full_precision.enter_context(torch.autocast(device, enabled=False))
                 clipped: ClippedPass = clip_forward_pass(
                     calls,
-                    max_grad_norm=self.rule,
+                    rule=self.rule,
                     mean=self.loss_reduction == "mean",
                     shared=self._plan.shared,
                     batch_size=forward_pass.batch_size,
