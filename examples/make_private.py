@@ -1,4 +1,4 @@
-"""The README's PyTorch quick start, as written, on a small CNN with BatchNorm and dropout.
+"""The PyTorch quick start (docs/torch.md), on a small CNN with BatchNorm and dropout.
 
 A standard script: model, SGD with momentum, a cosine schedule, a TensorDataset, the usual loop. The only
 private lines are ``fix_model`` (BatchNorm -> GroupNorm) and ``make_private``.
