@@ -176,3 +176,22 @@ def test_what_opake_cannot_price_is_refused():
     with pytest.raises(ValueError, match=r"sampling must be None"):
         choose_mechanism(num_examples=1200, batch_size=40, epochs=2, target_epsilon=3.0, target_delta=DELTA,
                          sampling="shuffle", progress=False)
+
+
+def test_a_repeated_request_is_answered_from_the_cache_with_the_same_plan():
+    """A second identical request (another learning rate of the same run) gets the first choice
+    itself; a request that differs in any part (the optimizer's workload, the budget) is chosen again."""
+    from opake.torch.planning import plan_privacy
+
+    def request(lr=0.1, momentum=0.9, epsilon=3.0):
+        optimizer = torch.optim.SGD(nn.Linear(2, 1).parameters(), lr=lr, momentum=momentum)
+        return dict(num_examples=600, batch_size=32, epochs=2, target_epsilon=epsilon, target_delta=1e-5,
+                    optimizer=optimizer)
+
+    first = choose_mechanism(**request())
+    assert choose_mechanism(**request(lr=0.01)) is first  # the workload is the momentum's, not the rate's
+    assert choose_mechanism(**request(momentum=0.5)) is not first
+    assert choose_mechanism(**request(epsilon=4.0)) is not first
+    plans = [plan_privacy(max_grad_norm=1.0, key=key(0), **request()) for _ in range(2)]
+    assert plans[0].choice is plans[1].choice
+    assert (plans[0].noise_multiplier, plans[0].epsilon) == (plans[1].noise_multiplier, plans[1].epsilon)

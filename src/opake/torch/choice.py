@@ -64,6 +64,13 @@ __all__ = ["MAX_STATE_ROWS", "Candidate", "MechanismChoice", "choose_mechanism"]
 
 _SIGMA_RANGE = (1e-3, 1e4)   # make_private's calibration range for every sampling
 _SAMPLINGS = ("balls_in_bins", "poisson")
+# Choices by request (the run's size, the budget, the optimizer's workload recipe and the
+# restrictions): a choice is a pure function of these, and a second identical request (another
+# learning rate or seed of the same run) is answered at once. Bounded and process-wide, like the
+# calibrated noise multipliers of opake.torch.planning; the plan built from a cached choice prices
+# its noise multiplier again on its own accountant.
+_CHOICES: dict = {}
+_CHOICES_LIMIT = 64
 # The noise state a candidate may keep, in floats per model parameter: the BLT's own cap (max_buffers).
 # The band rule alone would take BandMF to hundreds of bands on large data sets (256 at 60,000
 # examples, epsilon 8), hundreds of copies of the model in memory for a few percent less noise.
@@ -194,6 +201,13 @@ def choose_mechanism(
     if max_state_rows is not None:
         max_state_rows = integer_at_least("max_state_rows", max_state_rows, minimum=0)
     recipe = blt_strategy() if optimizer is None else strategy_for_optimizer(optimizer, run.n_steps, lr_scheduler)
+    request = (run, budget, recipe, strategy, sampling, max_state_rows)
+    try:
+        known = _CHOICES.get(request)
+    except TypeError:  # an unhashable recipe or strategy: choose every time
+        request, known = None, None
+    if known is not None:
+        return known
     workload = workload_of(recipe)
     progress = Progress.of(progress)
     try:
@@ -211,8 +225,11 @@ def choose_mechanism(
         epsilon = _plan_accountant(chosen, run)(chosen.noise_multiplier).epsilon_at(budget.delta)
     finally:
         progress.close()
-    return MechanismChoice(chosen, tuple(candidates), workload, budget.epsilon, budget.delta, epsilon,
-                           time.perf_counter() - started)
+    choice = MechanismChoice(chosen, tuple(candidates), workload, budget.epsilon, budget.delta, epsilon,
+                             time.perf_counter() - started)
+    if request is not None and len(_CHOICES) < _CHOICES_LIMIT:
+        _CHOICES[request] = choice
+    return choice
 
 
 # -- which candidates ------------------------------------------------------------------------------
