@@ -472,14 +472,21 @@ def profile_model(name: str, quick: bool, repeats: int) -> None:
 
 
 def _ratio_text(value, floor=None, ceiling=None) -> str:
+    """The ratio, with its mark against ``floor`` (at least) or ``ceiling`` (at most), printed with the
+    digits that decide the mark: two, or more when two would round it onto the other side of the target
+    (0.799 against a floor of 0.80 prints "0.799 MISS", not "0.80 MISS")."""
     if value is None:
         return "-"
-    mark = ""
-    if floor is not None:
-        mark = " ok" if value >= floor else " MISS"
-    if ceiling is not None:
-        mark = " ok" if value <= ceiling else " MISS"
-    return f"{value:.2f}{mark}"
+    if floor is None and ceiling is None:
+        return f"{value:.2f}"
+
+    def meets(x: float) -> bool:
+        return x >= floor if floor is not None else x <= ceiling
+
+    digits = 2
+    while digits < 6 and meets(round(value, digits)) != meets(value):
+        digits += 1
+    return f"{value:.{digits}f} {'ok' if meets(value) else 'MISS'}"
 
 
 def _mib(value: int) -> str:

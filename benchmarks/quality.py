@@ -317,6 +317,15 @@ def tuned(run, seeds, rates=LEARNING_RATES) -> dict:
             "validation_by_rate": {str(r): first[r]["validation"] for r in rates}}
 
 
+def _in_pooled_sd(difference: float, tests: list, reference_tests: list) -> str:
+    """The difference in units of the pooled standard deviation over seeds; none with one seed on either
+    side (a standard deviation of one value is not defined), nor when both spreads are zero."""
+    if min(len(tests), len(reference_tests)) < 2:
+        return "(no sd: 1 seed)"
+    pooled = math.sqrt((_summary(tests)[1] ** 2 + _summary(reference_tests)[1] ** 2) / 2)
+    return f"({difference / pooled:+.1f} sd)" if pooled > 0 else "(sd 0)"
+
+
 def _summary(tests: list) -> tuple[float, float]:
     return statistics.fmean(tests), (statistics.stdev(tests) if len(tests) > 1 else 0.0)
 
@@ -382,11 +391,12 @@ def main(argv=None) -> int:
                 print(f"{epsilon:>7g}  {name:<30} {result}")
                 continue
             mean, std = _summary(result["tests"])
-            pooled = math.sqrt((std ** 2 + ref_std ** 2) / 2) or float("nan")
-            gap = (ref_mean - mean) / (ref_mean - floor) if ref_mean != floor else float("nan")
+            gap = f"{(ref_mean - mean) / (ref_mean - floor):>9.0%}" if ref_mean != floor else f"{'-':>9}"
             chose = next((r.get("chose", "") for r in result["runs"] if r.get("chose")), "")
-            print(f"{epsilon:>7g}  {name:<30} {result['rate']:>7g} {mean:>12.3f} +- {std:<7.3f}  "
-                  f"{(mean - ref_mean):>+7.3f} ({(mean - ref_mean) / pooled:+.1f} sd)  {gap:>9.0%}  {chose}")
+            spread = f"+- {std:<7.3f}" if len(result["tests"]) > 1 else f"{'(1 seed)':<10}"
+            print(f"{epsilon:>7g}  {name:<30} {result['rate']:>7g} {mean:>12.3f} {spread}  "
+                  f"{(mean - ref_mean):>+7.3f} {_in_pooled_sd(mean - ref_mean, result['tests'], reference['tests'])}"
+                  f"  {gap}  {chose}")
     print(f"\n(vs DP-SGD ref: the difference of test losses to {reference_name}, negative is better, in units of the "
           f"pooled std over seeds; gap closed: the share of the DP-SGD reference's gap to non-private closed)")
     print(f"finished in {time.perf_counter() - started:.0f} s")

@@ -24,6 +24,8 @@ example times the nominal batch size (best of ``--repeats``), so both sides are 
 same examples and batch-size noise cancels; the memory peaks are of one step each on a planned
 batch (``--quick``: batch 8 and 16, a 1-layer transformer of width 32 and sequence 16, 2 repeats,
 no peer).
+The models and data are ``lib/step_models.py``'s, which the peer imports too (it imports nothing of
+opake's); a peer that fails prints its error under the table and the script exits 1.
 
     python benchmarks/training_step.py             # both models, batch 64 (time) and 256 (memory)
     python benchmarks/training_step.py --quick
@@ -40,11 +42,11 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from noise_engine import _peak_allocated_bytes  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent / "lib"))
+from step_models import SIZES, data as _data, loss as _loss, model as _model  # noqa: E402
 
 from opake.dpftrl.noise import blt_strategy  # noqa: E402
 
@@ -58,75 +60,6 @@ def _interpreter(variable: str, default: Path) -> Path:
 
 
 OPACUS = (_interpreter("OPAKE_PEER_OPACUS", ROOT.parent.parent / "peer-opacus"), ROOT / "peers" / "opacus_step.py")
-SIZES = {False: dict(batches=(64, 256), width=128, layers=2, length=64, repeats=7),
-         True: dict(batches=(8, 16), width=32, layers=1, length=16, repeats=2)}
-
-
-class CNN(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.conv1 = nn.Conv2d(1, 16, 5, padding=2)
-        self.conv2 = nn.Conv2d(16, 32, 5, padding=2)
-        self.fc = nn.Linear(32 * 7 * 7, 10)
-
-    def forward(self, x):
-        x = F.max_pool2d(torch.relu(self.conv1(x)), 2)
-        x = F.max_pool2d(torch.relu(self.conv2(x)), 2)
-        return self.fc(x.flatten(1))
-
-
-class Block(nn.Module):
-    """Pre-norm transformer block; attention from Linear layers (what ghost clipping covers)."""
-
-    def __init__(self, width: int, heads: int):
-        super().__init__()
-        self.heads = heads
-        self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
-        self.qkv, self.out = nn.Linear(width, 3 * width), nn.Linear(width, width)
-        self.up, self.down = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
-
-    def forward(self, x):
-        b, t, w = x.shape
-        q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, w // self.heads).permute(2, 0, 3, 1, 4)
-        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, w)
-        x = x + self.out(attended)
-        return x + self.down(F.gelu(self.up(self.norm2(x))))
-
-
-class Transformer(nn.Module):
-    def __init__(self, vocabulary=1000, width=128, layers=2, heads=4, length=64):
-        super().__init__()
-        self.embed = nn.Embedding(vocabulary, width)
-        self.position = nn.Embedding(length, width)
-        self.blocks = nn.Sequential(*[Block(width, heads) for _ in range(layers)])
-        self.norm = nn.LayerNorm(width)
-        self.head = nn.Linear(width, vocabulary)
-
-    def forward(self, tokens):
-        positions = torch.arange(tokens.shape[1]).repeat(tokens.shape[0], 1)  # batch first, as hooks need
-        x = self.embed(tokens) + self.position(positions)
-        return self.head(self.norm(self.blocks(x)))
-
-
-def _data(name: str, count: int, size: dict):
-    generator = torch.Generator().manual_seed(0)
-    if name == "cnn":
-        return torch.utils.data.TensorDataset(torch.randn(count, 1, 28, 28, generator=generator),
-                                              torch.randint(0, 10, (count,), generator=generator))
-    tokens = torch.randint(0, 1000, (count, size["length"] + 1), generator=generator)
-    return torch.utils.data.TensorDataset(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())  # Opacus needs contiguous ids
-
-
-def _loss(name, model, x, y):
-    out = model(x)
-    return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
-
-
-def _model(name, size: dict):
-    torch.manual_seed(0)
-    if name == "cnn":
-        return CNN()
-    return Transformer(width=size["width"], layers=size["layers"], length=size["length"])
 
 
 class _PlannedPair:
@@ -182,16 +115,36 @@ def _best_alternating(pair: _PlannedPair, repeats: int) -> tuple[float, float]:
     return best[1], best[0]
 
 
-def _opacus(name: str, batch: int, repeats: int):
+class PeerFailed(RuntimeError):
+    """The peer's script failed in its own environment: the row says so (never a silent "-")."""
+
+
+def _opacus(name: str, batch: int, repeats: int, quick: bool):
+    """(seconds, peak bytes) of Opacus' step in its own interpreter; None when no peer is installed;
+    ``PeerFailed`` with the peer's last error line when it fails."""
     python, script = OPACUS
     if not python.exists():
         return None
-    out = subprocess.run([str(python), str(script), name, str(batch), str(repeats)], capture_output=True,
-                         text=True, cwd=ROOT.parent)
+    command = [str(python), str(script), name, str(batch), str(repeats)] + (["--quick"] if quick else [])
+    out = subprocess.run(command, capture_output=True, text=True, cwd=ROOT.parent)
     if out.returncode != 0:
-        return None
-    seconds, peak = out.stdout.split()
+        last = (out.stderr.strip().splitlines() or ["no output"])[-1]
+        raise PeerFailed(f"{python} {script.name} {name} {batch}: exit {out.returncode}: {last}")
+    seconds, peak = out.stdout.split()[-2:]
     return float(seconds), int(peak)
+
+
+def _peer_text(name: str, batch: int, repeats: int, quick: bool, plain_s: float, failures: list) -> str:
+    if quick:
+        return f"{'not run (--quick)':>24}"
+    try:
+        peer = _opacus(name, batch, repeats, quick)
+    except PeerFailed as error:
+        failures.append(str(error))
+        return f"{'FAILED':>9} (see below)"
+    if peer is None:
+        return f"{'not installed':>24}"
+    return f"{peer[0] * 1e3:>9.1f} {plain_s / peer[0]:>6.2f} {peer[1] / 2**20:>7.1f}"
 
 
 def main(argv=None) -> int:
@@ -206,20 +159,21 @@ def main(argv=None) -> int:
           f"peak = torch's live allocations during one step")
     print(f"{'model':<12} {'batch':>5} | {'plain ms':>8} {'opake ms':>8} {'ratio':>6} | "
           f"{'plain MiB':>9} {'opake MiB':>9} {'ratio':>6} | {'opacus ms':>9} {'ratio':>6} {'MiB':>7}")
+    failures = []
     for name in ("cnn", "transformer"):
         for batch in size["batches"]:
             pair = _PlannedPair(name, batch, repeats + 4, size)
             plain_s, private_s = _best_alternating(pair, repeats)
             private_peak = _peak_allocated_bytes(pair.private_step)
             plain_peak = _peak_allocated_bytes(pair.plain_step)  # the same batch
-            peer = None if args.quick else _opacus(name, batch, repeats)
-            peer_text = (f"{peer[0] * 1e3:>9.1f} {plain_s / peer[0]:>6.2f} {peer[1] / 2**20:>7.1f}"
-                         if peer else f"{'-':>9} {'-':>6} {'-':>7}")
+            peer_text = _peer_text(name, batch, repeats, args.quick, plain_s, failures)
             print(f"{name:<12} {batch:>5} | {plain_s * 1e3:>8.1f} {private_s * 1e3:>8.1f} "
                   f"{plain_s / private_s:>6.2f} | {plain_peak / 2**20:>9.1f} {private_peak / 2**20:>9.1f} "
                   f"{private_peak / plain_peak:>6.2f} | {peer_text}")
     print("ratio = non-private time / DP time (throughput ratio; target >= 0.6); memory ratio target <= 1.5")
-    return 0
+    for failure in failures:
+        print(f"peer failed: {failure}")
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":
