@@ -18,8 +18,10 @@ setup: $(VENV)/.installed
 demo: $(VENV)/.installed
 	$(VENV)/bin/opake demo
 
+# Both cores (pytest-xdist); each test file runs whole in one worker, so its module-scoped set-ups
+# run once; tests/conftest.py hands out the files holding slow tests first.
 test: $(VENV)/.installed
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
 plan: $(VENV)/.installed
 	$(VENV)/bin/opake plan

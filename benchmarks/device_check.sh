@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The noise engine on a GPU, in one call of the device tool (a few minutes once started):
-# the device-parametrized engine tests (tests/test_engine_devices.py runs each check on CPU and
+# the device-parametrized engine tests (tests/dpftrl/noise/engine/test_devices.py runs each check on CPU and
 # CUDA) plus the other engine tests under the device's torch, then the noise-engine benchmark
 # with --device cuda. Results are also written to $OUT (or benchmarks/out).
 #
@@ -24,8 +24,9 @@ OUT=${OUT:-benchmarks/out}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee "$OUT/gpu.txt"
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())" | tee -a "$OUT/gpu.txt"
-python3 -m pytest -q -p no:cacheprovider tests/test_engine_devices.py tests/test_engine.py \
-  tests/test_engine_state.py tests/test_engine_errors.py tests/test_engine_streaming.py 2>&1 | tee "$OUT/tests.txt"
+ENGINE=tests/dpftrl/noise/engine
+python3 -m pytest -q -p no:cacheprovider $ENGINE/test_devices.py $ENGINE/test_engine.py \
+  $ENGINE/test_state.py $ENGINE/test_errors.py $ENGINE/test_streaming.py 2>&1 | tee "$OUT/tests.txt"
 tests_status=${PIPESTATUS[0]}
 python3 benchmarks/noise_engine.py --device cuda --peers none 2>&1 | grep -v USDT | tee "$OUT/bench.txt"
 python3 benchmarks/finetune_step.py --device cuda --peers none 2>&1 | grep -v USDT | tee "$OUT/finetune.txt"

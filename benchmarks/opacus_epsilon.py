@@ -1,7 +1,7 @@
 """Opacus scripts through opake.torch.PrivacyEngine: their epsilon, and what a target epsilon chooses.
 
     python benchmarks/opacus_epsilon.py            # Opacus' example defaults (about a minute)
-    python benchmarks/opacus_epsilon.py --quick    # tiny settings, in one process (tests/test_benchmarks_opacus_epsilon.py)
+    python benchmarks/opacus_epsilon.py --quick    # tiny settings, in one process (tests/benchmarks/test_opacus_epsilon.py)
 
 Part 1, the noise-multiplier form. For the defaults of Opacus' own examples (data set size N,
 batch size B, epochs E, noise multiplier sigma; delta 1e-5) it prints the epsilon the adapter

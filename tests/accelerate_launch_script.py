@@ -1,4 +1,4 @@
-"""Run by tests/test_transformers_distributed.py under the real ``accelerate launch --use_fsdp``:
+"""Run by tests/transformers/test_distributed.py under the real ``accelerate launch --use_fsdp``:
 the worker's DPTrainer run, with no fsdp in TrainingArguments (accelerate's environment only);
 rank 0 saves what it trained to the path given as the first argument."""
 

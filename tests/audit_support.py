@@ -1,4 +1,4 @@
-"""Test-only machinery for the empirical privacy audit (tests/test_audit.py).
+"""Test-only machinery for the empirical privacy audit (tests/test_empirical_audit.py).
 
 The audit attacks the code that runs: canary gradients go through opake's real clipping
 (``clipped_grad``) and the real noise engine (``mf_gaussian_noise``); the test statistic and its
@@ -7,7 +7,7 @@ in this module is imported by the library.
 
 Why the coordinates of one run are independent audit runs. The engine adds, to every element
 j of the gradient vector, sigma * clip / norm * (C^{-1} z^{(j)}) with z^{(j)} ~ N(0, I_n)
-independent over elements (the engine's contract, checked by test_engine_statistics). We build
+independent over elements (the engine's contract, checked by dpftrl/noise/engine/test_statistics.py). We build
 a model of d = 2N scalar parameters and 2N canaries: canary j is a training example whose
 per-example gradient is 1024 * e_j (so clipping scales it to exactly e_j, norm 1 = the clip
 bound over the whole vector). Canaries 0..N-1 are IN the dataset (they participate on the

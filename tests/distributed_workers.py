@@ -1,4 +1,5 @@
-"""Spawnable workers for test_distributed.py: one gloo process group, every scenario in turn.
+"""Spawnable workers for tests/dpftrl/noise/distributed/test_distributed.py: one gloo process group,
+every scenario in turn.
 
 Each rank writes a dict of results (noisy outputs, buffer shapes, caught errors) to
 ``out_dir/rank{r}.pt``; the test process compares them with single-process noise.
@@ -21,7 +22,7 @@ from opake.dpftrl.noise.distributed import (
 )
 from opake.random import key
 from opake.types import clipped
-from test_engine_support import hand_blt
+from engine_support import hand_blt
 
 STEPS = 5
 SIGMA = 1.3

@@ -28,7 +28,7 @@ from opake.dpftrl.strategies.strategy import mechanism_from_blt
 from opake.dpftrl.participation import Participation
 from opake.random import key
 from opake.types import clipped
-from test_engine_support import dense_blt_matrix, dense_inverse_apply
+from engine_support import dense_blt_matrix, dense_inverse_apply
 
 F32_MAX = torch.finfo(torch.float32).max
 HALF_DTYPES = (torch.float16, torch.bfloat16)

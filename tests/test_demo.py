@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+pytestmark = pytest.mark.slow   # the module's run: every method, two seeds (about 20-35 s)
+
 pytest.importorskip("sklearn")
 pytest.importorskip("tqdm")
 

@@ -1,4 +1,4 @@
-"""Worker of tests/test_torch_distributed.py: make_private in a gloo process group (spawned)."""
+"""Worker of tests/torch/test_distributed.py: make_private in a gloo process group (spawned)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Workers of tests/test_torch_fsdp.py: make_private on FSDP2 (fully_shard) and replicated runs,
+"""Workers of tests/torch/test_fsdp.py: make_private on FSDP2 (fully_shard) and replicated runs,
 in gloo process groups on CPU (spawned), and the one-process runs they are compared with."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The oracle for tests/test_torch_per_example.py: torch.func per-example gradients, clipped, summed.
+"""The oracle for tests/torch/per_example/test_clipper.py: torch.func per-example gradients, clipped, summed.
 
 Deliberately the slow, obvious route: ``vmap(grad)`` of one example's loss over the whole model
 (``functional_call`` on the trainable parameters), each example's gradient flattened over all

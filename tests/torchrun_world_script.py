@@ -1,4 +1,4 @@
-"""Run by tests/test_transformers_checkpoints.py under the real ``torchrun --nproc_per_node 2``, on CPU
+"""Run by tests/transformers/test_checkpoints.py under the real ``torchrun --nproc_per_node 2``, on CPU
 without --use_cpu: each rank builds a DPTrainer and prints whether it was refused, and with what."""
 
 import os
@@ -11,7 +11,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 import transformers  # noqa: E402
 
-from test_transformers_trainer import CharDataset, collate, gpt2, sentences  # noqa: E402
+from transformers_support import CharDataset, collate, gpt2, sentences  # noqa: E402
 from opake.transformers import DPTrainer  # noqa: E402
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Worker of tests/test_transformers_distributed.py: DPTrainer under torch.distributed (spawned with
+"""Worker of tests/transformers/test_distributed.py: DPTrainer under torch.distributed (spawned with
 torchrun's environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), replicated, FSDP, and FSDP
 asked for as accelerate launch --use_fsdp does (its environment variables only)."""
 
@@ -17,7 +17,7 @@ def train(folder: pathlib.Path, world_size: int = 1, fsdp: bool = False, resume:
     import transformers
 
     import opake.random
-    import test_transformers_trainer as t
+    import transformers_support as t
     from opake.transformers import DPTrainer
 
     transformers.logging.set_verbosity_error()

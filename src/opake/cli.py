@@ -183,15 +183,16 @@ def _plan_dataset(args) -> int:
 
 
 def _default_choice(args):
-    """What make_private (opake.torch.planning.plan_privacy) takes without a strategy for this data
-    set and budget: the least-noise mechanism proven for adaptive gradients (opake.torch.choice)."""
+    """What make_private takes without a strategy for this data set and budget (the request planned by
+    opake.torch.planning.plan_request): the least-noise mechanism proven for adaptive gradients
+    (opake.torch.choice). The clipping bound changes no choice; 1.0 stands for any."""
     from opake.random import key
-    from opake.torch.planning import plan_privacy
+    from opake.torch.planning import plan_request
+    from opake.torch.request import PrivacySpec
 
-    plan = plan_privacy(num_examples=args.num_examples, batch_size=args.batch_size, epochs=args.epochs,
-                        max_grad_norm=1.0, key=key(0), target_epsilon=args.epsilon, target_delta=args.delta,
-                        progress=False)
-    return plan.choice
+    request = PrivacySpec(batch_size=args.batch_size, epochs=args.epochs, max_grad_norm=1.0,
+                          target_epsilon=args.epsilon, target_delta=args.delta)
+    return plan_request(request, num_examples=args.num_examples, key=key(0), progress=False).choice
 
 
 def _dataset_summary(plan, error: str) -> str:

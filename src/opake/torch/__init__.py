@@ -3,7 +3,9 @@
 ``make_private(module=, optimizer=, dataset=, batch_size=, epochs=, target_epsilon=,
 target_delta=, max_grad_norm=)`` plans the run and returns the module, a ``DPOptimizer`` and a
 DataLoader for the user's unchanged loop (docs/torch.md); ``sampling=`` ("balls_in_bins" or
-"poisson") and ``amplification=`` choose the sampler and its proven accountant. ``fix_model`` / ``validate_model``
+"poisson") and ``amplification=`` choose the sampler and its proven accountant. The privacy
+settings make one frozen request, ``PrivacySpec`` (``make_private(..., privacy=spec)``,
+``plan_request(spec, ...)``: ``opake.torch.request``). ``fix_model`` / ``validate_model``
 deal with layers that mix examples (BatchNorm) and recurrent layers (``DPLSTM``, ``DPGRU``,
 ``DPRNN``: nn.LSTM's interface, clipped exactly). ``choose_mechanism`` compares the proven
 mechanisms at a budget (``opake.torch.choice``). ``PrivacyEngine``, ``BatchMemoryManager`` and
@@ -24,7 +26,8 @@ from opake.torch.losses import UnsupportedLossError, token_mean_per_example
 from opake.torch.guard import DirectStepError, ForeignOptimizerError
 from opake.torch.optimizer import DPOptimizer
 from opake.torch.adamw import DPAdamW
-from opake.torch.planning import PrivacyPlan, plan_privacy, strategy_for_optimizer
+from opake.torch.planning import PrivacyPlan, plan_privacy, plan_request, strategy_for_optimizer
+from opake.torch.request import PrivacySpec
 from opake.torch.private import PrivateTraining, make_private
 from opake.torch.short_run import ShortRunWarning
 from opake.torch.per_example.errors import CompiledModuleError
@@ -51,11 +54,13 @@ __all__ = [
     "PlannedDataLoader",
     "PrivacyEngine",
     "PrivacyPlan",
+    "PrivacySpec",
     "PrivateTraining",
     "ShortRunWarning",
     "fix_model",
     "make_private",
     "plan_privacy",
+    "plan_request",
     "UnplannedBatchError",
     "UnsupportedLossError",
     "strategy_for_optimizer",

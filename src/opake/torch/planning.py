@@ -1,8 +1,10 @@
 """Planning a private run: the user's settings in, one frozen ``PrivacyPlan`` out, nothing touched.
 
-``plan_privacy`` is a pure function of its arguments (it reads the optimizer and scheduler to
-choose the strategy, on copies, and hooks nothing). ``make_private``, ``PrivacyEngine`` and
-``DPTrainer`` plan through it and then attach the plan to the model (``opake.torch.private``).
+``plan_request(request, num_examples=, key=)`` is a pure function of its arguments (it reads the
+optimizer and scheduler to choose the strategy, on copies, and hooks nothing); the request is one
+frozen ``PrivacySpec`` (``opake.torch.request``), which ``plan_privacy`` builds from its keyword
+arguments. ``make_private``, ``PrivacyEngine`` and ``DPTrainer`` build a request, plan it here and
+then attach the plan to the model (``opake.torch.private``).
 The plan, in order (each piece is one of opake's layers, used as documented there):
 
 1. **Sampler** (``sampling=``), an epoch being ``num_units // batch_size`` steps either way
@@ -57,36 +59,30 @@ from dataclasses import dataclass, field
 import torch
 
 import opake.accounting as acc
-from opake._checks import integer_at_least, positive_finite
+from opake._checks import positive_finite
 from opake.accounting.calibrate import calibrate_capped
 from opake.dpftrl.accounting.allocation.bin_gram import has_non_negative_entries
 from opake.dpftrl.accounting.methods import AccountingMethod
-from opake.dpftrl.clipping import clipping_rule
 from opake.dpftrl.accounting.poisson import UnsupportedAmplificationError, noise_multiplier_guess
 from opake.dpftrl.noise import blt_strategy
 from opake.dpftrl.participation import Participation
 from opake.dpftrl.sampling import (BallsInBinsSampler, CyclicPoissonSampler, PrivacyUnits, UnitSampler,
                                    steps_per_epoch_of)
-from opake.errors import InvalidTypeError, OpakeError
+from opake.errors import InvalidTypeError
 from opake.progress import Progress, calibration_reporter
 from opake.random import RngKey
 from opake.torch.privacy_units import description, privacy_units
+from opake.torch.request import OPTIMIZER_BLT, SAMPLINGS, PlanError, PrivacySpec
 from opake.torch.workload import strategy_for_optimizer
 
-# strategy_for_optimizer is workload's, re-exported
-__all__ = ["SAMPLINGS", "PlanError", "PrivacyPlan", "plan_privacy", "strategy_for_optimizer"]
+# strategy_for_optimizer is workload's, SAMPLINGS and PlanError the request's, re-exported
+__all__ = ["SAMPLINGS", "PlanError", "PrivacyPlan", "plan_privacy", "plan_request", "strategy_for_optimizer"]
 
-SAMPLINGS = ("balls_in_bins", "poisson")
 _SIGMA_RANGE = (1e-3, 1e4)
 # Cyclic Poisson's PLD grid grows as the effective noise multiplier (sigma / column norm) falls:
 # one evaluation takes about 1.5 s at 0.5, 9 s at 0.2 and 45 s at 0.1 (600 compositions, one
 # core). Calibration searches near a guess and no lower than 0.25 column norms.
 _POISSON_FLOOR = 0.25
-
-
-class PlanError(OpakeError, ValueError):
-    """A request no plan can meet (an unknown sampling, a budget no noise multiplier reaches, a sample
-    rate above 1); raised by ``plan_privacy`` before anything is built."""
 
 
 @dataclass(frozen=True)
@@ -104,7 +100,7 @@ class PrivacyPlan:
     epoch (one pass of the planned loader) takes; ``key`` the run's root key (the sampler's and
     the noise's keys are derived from it); ``choice`` the comparison that chose the mechanism
     when none was named (``opake.torch.choice.MechanismChoice``: ``choice.table()``,
-    ``choice.reason``), else None.
+    ``choice.reason``), else None; ``request`` the ``PrivacySpec`` the plan meets.
     """
 
     sampler: object
@@ -120,6 +116,7 @@ class PrivacyPlan:
     privacy_unit: str = "example"
     key: RngKey | None = field(default=None, repr=False, compare=False)
     choice: object = field(default=None, repr=False, compare=False)
+    request: PrivacySpec | None = field(default=None, repr=False, compare=False)
 
     @property
     def max_grad_norm(self) -> float:
@@ -211,27 +208,41 @@ def plan_privacy(
     ``AutomaticClipping``); ``clipping`` (None, ``"flat"``, ``"automatic"``) picks the rule for a
     bound (``clipping_rule``): automatic clipping (AUTO-S) scales each unit's gradient by
     C / (||g|| + 0.01), with the same bound C, so the accountant and the noise do not change.
-    Every argument check happens here,
-    before anything is built: a dataset too small for the batch size, an epsilon that cannot be
+    Every argument check happens before anything is built (``PrivacySpec`` checks the request,
+    ``plan_request`` the rest): a dataset too small for the batch size, an epsilon that cannot be
     met, Poisson sampling with a strategy it does not cover, amplification for a strategy with
     negative entries.
     """
-    batch_size = integer_at_least("batch_size", batch_size)
-    epochs = integer_at_least("epochs", epochs)
-    _check_sampling(sampling, amplification)
-    clipping = clipping_rule(max_grad_norm, mode=clipping)
-    if target_delta is None:
-        raise InvalidTypeError("make_private needs target_delta (e.g. 1e-5, below 1 / len(dataset))")
-    if (target_epsilon is None) == (noise_multiplier is None):
-        raise InvalidTypeError("give exactly one of target_epsilon (calibrate the noise) and noise_multiplier")
+    request = PrivacySpec(batch_size=batch_size, epochs=epochs, max_grad_norm=max_grad_norm, clipping=clipping,
+                          target_epsilon=target_epsilon, target_delta=target_delta, noise_multiplier=noise_multiplier,
+                          strategy=strategy, sampling=sampling, amplification=amplification, privacy_unit=privacy_unit)
+    return plan_request(request, num_examples=num_examples, key=key, optimizer=optimizer, lr_scheduler=lr_scheduler,
+                        loss=loss, progress=progress)
+
+
+def plan_request(request: PrivacySpec, *, num_examples: int, key: RngKey,
+                 optimizer: torch.optim.Optimizer | None = None, lr_scheduler=None, loss: str = "",
+                 progress: bool | None = None) -> PrivacyPlan:
+    """The plan of ``request`` (a ``PrivacySpec``) over ``num_examples`` examples, with the run's root
+    ``key``; ``optimizer`` and ``lr_scheduler`` shape the default strategy, ``loss`` is the loss form
+    the clipping assumes, ``progress`` reports long calibrations. Touches nothing; ``plan.request``
+    is ``request`` (``plan_privacy`` has the details).
+    """
+    if not isinstance(request, PrivacySpec):
+        raise InvalidTypeError(f"request must be an opake.torch.PrivacySpec, got {type(request).__name__}")
     if not isinstance(key, RngKey):
         raise InvalidTypeError(f"key must be an opake.random.RngKey (opake.random.key(seed)), got {type(key).__name__}")
-    units = privacy_units(privacy_unit, num_examples)
+    batch_size, epochs, sampling = request.batch_size, request.epochs, request.sampling
+    target_epsilon, target_delta = request.target_epsilon, request.target_delta
+    noise_multiplier = request.noise_multiplier
+    units = request.units
+    if units is not None and units.num_examples != num_examples:
+        units = privacy_units(request.privacy_unit, num_examples)  # refuses, in the words of the form given
     num_drawn = num_examples if units is None else units.num_units
     steps_per_epoch = steps_per_epoch_of(num_drawn, batch_size, users=units is not None)
     n_steps = epochs * steps_per_epoch
-    choice = None
-    if strategy is None and target_epsilon is not None and amplification is None:
+    choice, strategy = None, request.strategy
+    if strategy is None and request.calibrated and request.amplification is None:
         from opake.torch.choice import choose_mechanism  # the choice calibrates with planning's pieces
 
         try:
@@ -246,11 +257,12 @@ def plan_privacy(
             ) from None
         strategy, sampling = choice.strategy, choice.sampling
         target_epsilon, noise_multiplier = None, choice.noise_multiplier  # calibrated on this plan's accountant
-    elif strategy is None:
+    elif strategy is None or strategy == OPTIMIZER_BLT:
         strategy = blt_strategy() if optimizer is None else strategy_for_optimizer(optimizer, n_steps, lr_scheduler)
     sampling = "balls_in_bins" if sampling is None else sampling
     sampler = _sampler(sampling, strategy, num_drawn, batch_size, key.fold_in("opake.torch.sampler"), units)
     participation = sampler.participation(n_steps)
+    amplification = request.amplification
     if amplification:
         _check_amplifiable(sampler, strategy, n_steps)
     method = None if amplification is None else (AccountingMethod.AMPLIFIED if amplification
@@ -259,21 +271,9 @@ def plan_privacy(
     with _each_warning_once():
         sigma, epsilon, process = _plan_noise(accountant, participation, target_epsilon, target_delta,
                                               noise_multiplier, progress)
-    return PrivacyPlan(sampler, participation, strategy, process, sigma, epsilon, float(target_delta), clipping,
-                       steps_per_epoch, loss=loss, privacy_unit=description(units), key=key, choice=choice)
-
-
-def _check_sampling(sampling, amplification) -> None:
-    if sampling is not None and sampling not in SAMPLINGS:
-        raise PlanError(f"sampling must be one of {SAMPLINGS}, got {sampling!r}")
-    if amplification is not None and not isinstance(amplification, bool):
-        raise InvalidTypeError(f"amplification must be None (the proven default), True or False, got {amplification!r}")
-    if sampling == "poisson" and amplification is False:
-        raise PlanError(
-            "amplification=False applies to sampling='balls_in_bins'; cyclic Poisson sampling is always "
-            "priced with its amplification (Band23 Thm 4). For an unamplified bound use "
-            "sampling='balls_in_bins', amplification=False"
-        )
+    return PrivacyPlan(sampler, participation, strategy, process, sigma, epsilon, float(target_delta),
+                       request.clipping_rule, steps_per_epoch, loss=loss, privacy_unit=description(units), key=key,
+                       choice=choice, request=request)
 
 
 def _sampler(sampling: str, strategy, num_drawn: int, batch_size: int, sampler_key: RngKey, units):

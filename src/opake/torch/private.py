@@ -10,14 +10,16 @@ One call plans the run and returns the objects the user's loop already uses::
     private.epsilon                       # the whole planned run's guarantee
     torch.save(private.state_dict(), path)
 
-``make_private`` is plan, then attach. The plan (``opake.torch.planning.plan_privacy``: sampler,
-strategy, accountant, noise multiplier, epsilon) touches nothing; attaching it hooks the module
-for per-example clipping (``opake.torch.per_example``) and Hugging Face's per-example loss
-(``opake.torch.losses``), takes the parameters' gradients out of the reach of every other
-optimizer (``opake.torch.guard``), builds the noise engine (checked against the accountant,
-``check_accounted_by``) and the run's state (``opake.torch.run``), and wraps the optimizer
-(``DPOptimizer``: clipped sums divided by the sampler's constant expected batch size, noise in
-``optimizer.step()``, a step past the plan raises ``PlanExhaustedError``).
+``make_private`` is request, plan, then attach. Its privacy keyword arguments (or ``privacy=``)
+make one ``PrivacySpec`` (``opake.torch.request``); the plan
+(``opake.torch.planning.plan_request``: sampler, strategy, accountant, noise multiplier, epsilon)
+touches nothing; attaching it hooks the module for per-example clipping
+(``opake.torch.per_example``) and Hugging Face's per-example loss (``opake.torch.losses``), takes
+the parameters' gradients out of the reach of every other optimizer (``opake.torch.guard``),
+builds the noise engine (checked against the accountant, ``check_accounted_by``) and the run's
+state (``opake.torch.run``), and wraps the optimizer (``DPOptimizer``: clipped sums divided by the
+sampler's constant expected batch size, noise in ``optimizer.step()``, a step past the plan raises
+``PlanExhaustedError``).
 
 Under torch.distributed (initialized, world size > 1; or ``process_group=``) every rank
 builds the same plan from the same key and must hold the same data set (checked), its data
@@ -64,10 +66,11 @@ from opake.torch.loader import PlannedBatches, PlannedDataLoader
 from opake.torch.losses import PerExampleLoss, loss_form
 from opake.torch.optimizer import DPOptimizer
 from opake.torch.per_example import PerExampleClipper
-from opake.torch.planning import PrivacyPlan, plan_privacy, strategy_for_optimizer
+from opake.torch.planning import PrivacyPlan, plan_request, strategy_for_optimizer
 from opake.torch.ranks import (agree, broadcast_module, dataset_digest, launcher_restarts,
                               rank_and_world as _rank_and_world, require_one_run, shared_key)
 from opake.torch.reduction import Replicated, Sharded, SingleProcess
+from opake.torch.request import PrivacySpec, request_of
 from opake.torch.run import PrivateRun
 from opake.torch.short_run import warn_if_short
 from opake.torch.validation import require_uncompiled, require_valid_model, trainable_parameters
@@ -254,9 +257,9 @@ def make_private(
     module: nn.Module,
     optimizer: torch.optim.Optimizer,
     dataset,
-    batch_size: int,
-    epochs: int,
-    max_grad_norm: float,
+    batch_size: int | None = None,
+    epochs: int | None = None,
+    max_grad_norm: float | None = None,
     target_epsilon: float | None = None,
     target_delta: float | None = None,
     noise_multiplier: float | None = None,
@@ -272,6 +275,7 @@ def make_private(
     ownership: str | None = None,
     clipping: str | None = None,
     noise_correction: bool | None = None,
+    privacy: PrivacySpec | None = None,
     **loader_options,
 ) -> PrivateTraining:
     """Plan a private run and return the module, optimizer and data loader that carry it out.
@@ -314,6 +318,12 @@ def make_private(
     ``ownership`` chooses which rank noises which parameters ("tensors", "blocks", "even"; None:
     whole tensors when they balance to within 10%, else an even split of the elements).
 
+    ``privacy=PrivacySpec(...)`` gives the request whole (``opake.torch.request``) instead of its
+    keyword arguments (``batch_size``, ``epochs``, ``max_grad_norm``, ``clipping``,
+    ``target_epsilon``, ``target_delta``, ``noise_multiplier``, ``strategy``, ``sampling``,
+    ``amplification``, ``privacy_unit``); giving both is refused. Either way
+    ``private.plan.request`` is the request the plan meets.
+
     ``noise_correction`` (None: on for a plain ``torch.optim.AdamW`` or ``Adam``) steps the
     optimizer with its second moment corrected for the noise: DP-AdamBC floored at the noise's own
     variance (``opake.torch.adamw``), post-processing that changes no privacy figure and suits the
@@ -332,7 +342,8 @@ def make_private(
     try:
         require_one_run(process_group, world_size)
         require_map_style(dataset, "make_private")  # before len(dataset) is read for the plan
-        reduction = _check_attachable(module, optimizer, process_group, privacy_unit, ownership)
+        unit = privacy_unit if privacy is None else getattr(privacy, "privacy_unit", None)
+        reduction = _check_attachable(module, optimizer, process_group, unit, ownership)
         correction = noise_correction_for(optimizer, noise_correction)
     except Exception as error:
         failure = error
@@ -342,12 +353,12 @@ def make_private(
     root_key = shared_key(reduction.process_group, reduction.world_size) if key is None else key
     plan = None
     try:
-        plan = plan_privacy(num_examples=len(dataset), batch_size=batch_size, epochs=epochs,
-                            max_grad_norm=max_grad_norm, key=root_key, target_epsilon=target_epsilon,
-                            target_delta=target_delta, noise_multiplier=noise_multiplier, strategy=strategy,
-                            sampling=sampling, amplification=amplification, optimizer=optimizer,
-                            lr_scheduler=lr_scheduler, privacy_unit=privacy_unit,
-                            loss=loss_form(module, loss_reduction), progress=progress, clipping=clipping)
+        request = request_of(privacy, "make_private", batch_size=batch_size, epochs=epochs,
+                             max_grad_norm=max_grad_norm, clipping=clipping, target_epsilon=target_epsilon,
+                             target_delta=target_delta, noise_multiplier=noise_multiplier, strategy=strategy,
+                             sampling=sampling, amplification=amplification, privacy_unit=privacy_unit)
+        plan = plan_request(request, num_examples=len(dataset), key=root_key, optimizer=optimizer,
+                            lr_scheduler=lr_scheduler, loss=loss_form(module, loss_reduction), progress=progress)
     except Exception as error:
         failure = error
     agree(process_group, world_size, failure, plan=None if plan is None else _plan_digest(plan))

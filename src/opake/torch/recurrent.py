@@ -8,7 +8,7 @@ nn.LSTM's (nn.GRU's, nn.RNN's) constructor and call, ``(output, h_n)`` or ``(out
 c_n))``, but compute each gate with plain ``nn.Linear`` layers, one input and one hidden
 projection per layer and direction, called once per time step. The Linear rule sums an
 example's gradient over the calls, so the clipped per-example gradients are exact (tested
-against a loop of batch-size-1 backward passes, tests/test_torch_recurrent.py).
+against a loop of batch-size-1 backward passes, tests/torch/test_recurrent.py).
 
 ``from_module(rnn)`` builds one from an ``nn.LSTM``/``nn.GRU``/``nn.RNN`` with the same weights
 (same outputs); ``fix_model`` uses it. Not supported: ``PackedSequence`` inputs and

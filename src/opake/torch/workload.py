@@ -24,7 +24,7 @@ P[t, j] = sum_{s=j..t} eta_s d_{s-j} (plus sum_{s<=t} eta_s r_s at j = 0). Witho
 this is D_{t-j} with D = cumsum(d), and e_t = sum_{m<t} D_m^2 + (D_t + R_t)^2 for all t in O(n).
 With a schedule each row is one FFT correlation (O(t log t)), so at most ``SCHEDULED_ROWS``
 evenly spaced rows (and the last) are evaluated: the ranking's maximum is then over those rows.
-Tested against torch.optim.SGD itself stepping on unit impulses (tests/test_torch_choice.py).
+Tested against torch.optim.SGD itself stepping on unit impulses (tests/torch/test_choice.py).
 """
 
 from __future__ import annotations

@@ -7,8 +7,12 @@ each ``TrainingArguments`` field is one table (``ARGUMENT_RULES``, ``arguments_t
 values it cannot honour raise ``UnsupportedTrainingArgumentError`` with their reasons. Needs
 ``pip install opake[transformers]``; ``opake.torch`` never imports this package.
 
+``DPTrainingArguments`` is ``TrainingArguments`` with the privacy request's fields (budget, delta,
+sampling, ...: one command-line flag each under ``HfArgumentParser``), which ``DPTrainer`` reads.
+
 ``DPSFTTrainer`` and ``DPDPOTrainer`` are TRL's ``SFTTrainer`` and ``DPOTrainer`` on the same plan
-(``opake.transformers.trl``, docs/transformers.md "TRL"); they import TRL when first asked for.
+(``opake.transformers.trl``, docs/transformers.md "TRL"), with ``DPSFTConfig`` and ``DPDPOConfig``
+for their arguments; they import TRL when first asked for.
 """
 
 import transformers as _transformers
@@ -35,13 +39,16 @@ from opake.transformers.trainer import (  # noqa: E402
     PrivateTrainerMixin,
     ResumeChoiceError,
 )
+from opake.transformers.training_arguments import DPTrainingArguments, PrivacyArguments  # noqa: E402
 
 __all__ = [
     "ARGUMENT_RULES",
     "ArgumentRule",
     "CHECKPOINT_NAME",
     "DPTrainer",
+    "DPTrainingArguments",
     "IncompleteCheckpointError",
+    "PrivacyArguments",
     "PrivateTrainerMixin",
     "ResumeChoiceError",
     "UnsupportedTrainingArgumentError",
@@ -49,12 +56,12 @@ __all__ = [
     "check_arguments",
 ]
 
-_TRL_TRAINERS = ("DPSFTTrainer", "DPDPOTrainer")
+_TRL_TRAINERS = ("DPSFTTrainer", "DPDPOTrainer", "DPSFTConfig", "DPDPOConfig")
 
 
 def __getattr__(name: str):
-    """``DPSFTTrainer`` and ``DPDPOTrainer`` load TRL on first use (``opake.transformers.trl``), so that
-    ``opake.transformers`` works without TRL installed."""
+    """``DPSFTTrainer``, ``DPDPOTrainer`` and their configs load TRL on first use
+    (``opake.transformers.trl``), so that ``opake.transformers`` works without TRL installed."""
     if name in _TRL_TRAINERS:
         from opake.transformers import trl as trl_trainers
 

@@ -1,7 +1,8 @@
 """What ``DPTrainer`` does with every ``transformers.TrainingArguments`` field: one table.
 
-Each row names a field (or a derived property of the arguments, or an argument of the
-``Trainer`` constructor), what ``DPTrainer`` does with it, which values it accepts, and why:
+Each row names a field (or a derived property of the arguments, an argument of the ``Trainer``
+constructor, or one of the privacy fields ``DPTrainingArguments`` adds, ``PrivacyArguments``),
+what ``DPTrainer`` does with it, which values it accepts, and why:
 
 * ``pass``: Trainer uses it as usual; it does not touch what the privacy guarantee depends on.
 * ``map``: opake reads it into the privacy plan or the planned loader (and may restrict it).
@@ -25,11 +26,13 @@ from dataclasses import dataclass
 
 from opake.errors import InvalidArgumentError, InvalidStateError, OpakeError
 
-__all__ = ["ARGUMENT_RULES", "ArgumentRule", "UnsupportedTrainingArgumentError", "arguments_table",
+__all__ = ["ARGUMENT_RULES", "PRIVACY", "ArgumentRule", "UnsupportedTrainingArgumentError", "arguments_table",
            "check_arguments", "is_constructor_rule", "is_property_rule", "with_launcher_settings"]
 
 TREATMENTS = ("pass", "map", "ignore", "refuse")
 FIELD, PROPERTY, CONSTRUCTOR = "TrainingArguments", "TrainingArguments property", "DPTrainer argument"
+# The privacy fields DPTrainingArguments, DPSFTConfig and DPDPOConfig share (opake.transformers.training_arguments).
+PRIVACY = "PrivacyArguments"
 
 
 class UnsupportedTrainingArgumentError(OpakeError, ValueError):
@@ -107,7 +110,36 @@ _SCRIPT = "read by training scripts, not by Trainer"
 _DISTRIBUTED = ("DistributedDataParallel's setting; DPTrainer keeps Trainer's DDP wrap from synchronizing gradients "
                 "(make_private reduces the clipped sums itself), so it has no effect")
 
+_REQUEST = ("into the run's privacy request, PrivacySpec({name}=); the trainer's {name}= keyword says the same "
+            "(giving both is refused)")
+
 ARGUMENT_RULES: tuple[ArgumentRule, ...] = (
+    # -- the privacy request (the fields of DPTrainingArguments, DPSFTConfig, DPDPOConfig) ----------
+    _rule("target_epsilon", "map",
+          "the budget the noise multiplier is calibrated to, " + _REQUEST.format(name="target_epsilon"),
+          where=PRIVACY),
+    _rule("target_delta", "map", "the delta of the guarantee, " + _REQUEST.format(name="target_delta"),
+          where=PRIVACY),
+    _rule("noise_multiplier", "map",
+          "a given noise multiplier instead of a budget, " + _REQUEST.format(name="noise_multiplier"),
+          where=PRIVACY),
+    _rule("strategy", "map",
+          "the mechanism by name ('blt', 'band_mf:G', 'dp_sgd'; None: the least noise at the budget), "
+          + _REQUEST.format(name="strategy") + "; a recipe value goes to the keyword", where=PRIVACY),
+    _rule("sampling", "map", "how the batches are drawn, " + _REQUEST.format(name="sampling"), where=PRIVACY),
+    _rule("amplification", "map", "which proven bound prices the batches, " + _REQUEST.format(name="amplification"),
+          where=PRIVACY),
+    _rule("clipping", "map",
+          "the clipping rule at max_grad_norm ('flat' or 'automatic'), " + _REQUEST.format(name="clipping"),
+          where=PRIVACY),
+    _rule("privacy_seed", "map",
+          "the run's key, opake.random.key(privacy_seed), which draws the batches and the noise (the trainer's "
+          "key= says the same; giving both is refused); without either, a key from the operating system",
+          where=PRIVACY),
+    _rule("noise_correction", "map",
+          "not part of the privacy request: DPOptimizer steps AdamW with its second moment corrected for the "
+          "noise (post-processing; the trainer's noise_correction= says the same, giving both is refused)",
+          where=PRIVACY),
     # -- the privacy plan ------------------------------------------------------------------------
     _rule("per_device_train_batch_size", "map",
           "the plan's expected batch size is per_device_train_batch_size x gradient_accumulation_steps "

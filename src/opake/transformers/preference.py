@@ -11,7 +11,7 @@ completion lengths; TRL's ``'aot'`` and ``'aot_unpaired'`` (which sort the batch
 trainer's argument table.
 
 The formulas are those of the papers TRL cites for each ``loss_type`` and ``f_divergence_type``,
-written per pair; ``tests/test_transformers_trl.py`` checks that their mean over a batch equals
+written per pair; ``tests/transformers/test_trl.py`` checks that their mean over a batch equals
 TRL's own loss on an unhooked copy of the model.
 """
 

@@ -6,6 +6,11 @@
     trainer.train()
     trainer.private.epsilon
 
+or, with the request in the arguments (a command line's ``--target_epsilon 3 --target_delta 1e-5``)::
+
+    args = DPTrainingArguments(..., target_epsilon=3.0, target_delta=1e-5, privacy_seed=0)
+    trainer = DPTrainer(model=model, args=args, train_dataset=train_ds, data_collator=collator)
+
 A subclass, not a wrapper: every Trainer feature that does not touch the guarantee (callbacks,
 evaluation, logging, checkpoints, the hub) keeps working, and only the pieces that do are
 replaced. ``__init__`` checks the arguments against one table (``opake.transformers.arguments``),
@@ -64,7 +69,7 @@ from transformers.utils import is_datasets_available
 
 from opake.errors import InvalidTypeError
 from opake.random import RngKey
-from opake.torch import make_private
+from opake.torch import PrivacySpec, make_private
 from opake.torch.checkpoint import CheckpointError, whole_digest
 from opake.torch.contract import RestartedWorkerError
 from opake.torch.loader import PlanExhaustedError
@@ -78,6 +83,7 @@ from opake.transformers.checkpoints import (CHECKPOINT_NAME, IncompleteCheckpoin
                                            missing_parts, write_atomically)
 from opake.transformers.batches import (EmptyBatchCollator, batch_size_of, lockstep_micro_batches, micro_batches,
                                         unit_micro_batches)
+from opake.transformers.training_arguments import privacy_settings
 
 __all__ = ["CHECKPOINT_NAME", "DPTrainer", "IncompleteCheckpointError", "PrivateTrainerMixin", "ResumeChoiceError"]
 
@@ -168,7 +174,9 @@ class PrivateTrainerMixin:
 
     Put it first: ``class MyTrainer(PrivateTrainerMixin, transformers.Trainer)`` (``DPTrainer``
     is exactly that; TRL's trainers take it the same way). It takes the parent trainer's
-    arguments unchanged, plus the plan's, keyword-only (``DPTrainer`` lists them), and works
+    arguments unchanged, plus the privacy settings, keyword-only (``DPTrainer`` lists them) or as
+    the fields of ``args`` (``DPTrainingArguments``, ``opake.transformers.training_arguments``),
+    which it makes into one ``PrivacySpec`` with the batch size and epochs of ``args``, and works
     through Trainer's public seams (``get_train_dataloader``, ``get_batch_samples``,
     ``training_step``, ``compute_loss``, ``log``, ``train``, callbacks) and one private method,
     ``_save_checkpoint`` (TRL's trainers override it too): the only place where a file can join
@@ -187,7 +195,7 @@ class PrivateTrainerMixin:
     argument_rules = ARGUMENT_RULES
     loss_reduction = "mean"
 
-    def __init__(self, *args, target_delta: float, target_epsilon: float | None = None,
+    def __init__(self, *args, target_delta: float | None = None, target_epsilon: float | None = None,
                  noise_multiplier: float | None = None, strategy=None, sampling: str | None = None,
                  amplification: bool | None = None, key=None, privacy_unit=None, clipping=None,
                  noise_correction: bool | None = None, **kwargs):
@@ -199,6 +207,12 @@ class PrivateTrainerMixin:
             run_args = self.default_arguments()
         if not isinstance(run_args, transformers.TrainingArguments):
             raise InvalidTypeError(f"args must be a transformers.TrainingArguments, got {type(run_args).__name__}")
+        # The privacy settings: DPTrainingArguments' fields (a command line's) or these keywords.
+        settings = privacy_settings(run_args, dict(
+            target_delta=target_delta, target_epsilon=target_epsilon, noise_multiplier=noise_multiplier,
+            strategy=strategy, sampling=sampling, amplification=amplification, clipping=clipping, key=key,
+            noise_correction=noise_correction), type(self).__name__)
+        key, noise_correction = settings.pop("key"), settings.pop("noise_correction")
         run_args = with_launcher_settings(self.arguments_of_trainer(run_args))
         _require_one_trainer_world(run_args)
         if arguments.get("model") is None:
@@ -223,8 +237,12 @@ class PrivateTrainerMixin:
                 "launch --use_fsdp, which DPTrainer reads and shards itself")
         self.check_trainer_setup()  # what the parent trainer decided in its __init__; nothing is hooked yet
         self.micro_batch_size = int(run_args.per_device_train_batch_size)
-        # Trainer's global batch: per device, times accumulation, times the processes (each serves its part)
+        # Trainer's global batch: per device, times accumulation, times the processes (each serves its part).
+        # Read after the parent's __init__, whose Accelerator settles the processes: check_arguments' default
+        # TrainingArguments resets accelerate's shared state, and world_size reads 1 until then.
         batch_size = self.micro_batch_size * int(run_args.gradient_accumulation_steps) * int(run_args.world_size)
+        request = PrivacySpec(batch_size=batch_size, epochs=int(run_args.num_train_epochs),
+                              max_grad_norm=run_args.max_grad_norm, privacy_unit=privacy_unit, **settings)
         dataset, collate = self._planned_dataset_and_collator(self.train_dataset)
         optimizer = self.create_optimizer()  # Trainer's (or the one passed in optimizers=)
         # The scheduler passed in optimizers=, or the one Trainer will build for the plan's length.
@@ -232,12 +250,8 @@ class PrivateTrainerMixin:
         # Kept to plan again with a checkpoint's key (train(resume_from_checkpoint=...) of a run
         # built without key=): the same arguments, the same objects.
         self._plan_arguments = dict(
-            module=self.model, optimizer=optimizer, dataset=dataset, batch_size=batch_size,
-            epochs=int(run_args.num_train_epochs), max_grad_norm=run_args.max_grad_norm,
-            target_epsilon=target_epsilon, target_delta=target_delta, noise_multiplier=noise_multiplier,
-            strategy=strategy, sampling=sampling, amplification=amplification, lr_scheduler=lr_scheduler,
-            loss_reduction=self.loss_reduction, privacy_unit=privacy_unit, clipping=clipping,
-            noise_correction=noise_correction, **self._loader_options(collate))
+            module=self.model, optimizer=optimizer, dataset=dataset, privacy=request, lr_scheduler=lr_scheduler,
+            loss_reduction=self.loss_reduction, noise_correction=noise_correction, **self._loader_options(collate))
         self._key_given = key is not None
         self.private = make_private(**self._plan_arguments, key=key)
         self.optimizer = self.private.optimizer
@@ -641,8 +655,10 @@ class PrivateTrainerMixin:
 class DPTrainer(PrivateTrainerMixin, transformers.Trainer):
     """``transformers.Trainer`` whose training is the privacy plan of ``opake.torch.make_private``.
 
-    Takes Trainer's arguments (same order), then the plan's, keyword-only: ``target_delta``
-    always, and exactly one of ``target_epsilon`` (the noise is calibrated) and
+    Takes Trainer's arguments (same order), and the privacy request either in ``args``, a
+    ``DPTrainingArguments`` (``--target_epsilon 8 --target_delta 1e-5`` on a command line parsed by
+    ``HfArgumentParser``), or as keyword arguments (one setting given both ways is refused):
+    ``target_delta`` always, and exactly one of ``target_epsilon`` (the noise is calibrated) and
     ``noise_multiplier``; ``strategy``, ``sampling``, ``amplification`` as in ``make_private``
     (without a strategy, a ``target_epsilon`` run takes the mechanism with the least noise at that
     budget for Trainer's optimizer and schedule: ``trainer.private.plan.choice``);
@@ -658,25 +674,22 @@ class DPTrainer(PrivateTrainerMixin, transformers.Trainer):
     (``trainer.private.noise_correction``); ``False`` keeps it as it is.
 
     ``trainer.private`` is the ``PrivateTraining`` (``epsilon``, ``plan``, ``optimizer``,
-    ``state_dict()``). Arguments DPTrainer cannot honour raise
+    ``state_dict()``); ``trainer.private.plan.request`` the ``PrivacySpec`` built from these settings
+    and from ``args`` (batch size, epochs, ``max_grad_norm``). Arguments DPTrainer cannot honour raise
     ``UnsupportedTrainingArgumentError`` listing each with its reason (``arguments_table()``).
     """
 
     def __init__(self, model=None, args=None, data_collator=None, train_dataset=None, eval_dataset=None,
                  processing_class=None, model_init=None, compute_loss_func=None, compute_metrics=None,
                  callbacks=None, optimizers=(None, None), optimizer_cls_and_kwargs=None,
-                 preprocess_logits_for_metrics=None, *, target_delta: float, target_epsilon: float | None = None,
-                 noise_multiplier: float | None = None, strategy=None, sampling: str | None = None,
-                 amplification: bool | None = None, key=None, privacy_unit=None, clipping=None,
-                 noise_correction: bool | None = None):
+                 preprocess_logits_for_metrics=None, **privacy):
+        # Trainer's arguments, in Trainer's order (positional calls keep working); the privacy
+        # keywords are PrivateTrainerMixin's, typed there once for every private trainer.
         super().__init__(model=model, args=args, data_collator=data_collator, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class, model_init=model_init,
                          compute_loss_func=compute_loss_func, compute_metrics=compute_metrics, callbacks=callbacks,
                          optimizers=optimizers, optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
-                         preprocess_logits_for_metrics=preprocess_logits_for_metrics, target_delta=target_delta,
-                         target_epsilon=target_epsilon, noise_multiplier=noise_multiplier, strategy=strategy,
-                         sampling=sampling, amplification=amplification, key=key, privacy_unit=privacy_unit,
-                         clipping=clipping, noise_correction=noise_correction)
+                         preprocess_logits_for_metrics=preprocess_logits_for_metrics, **privacy)
 
 
 class _WorkerSeed:

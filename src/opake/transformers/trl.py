@@ -20,7 +20,9 @@ TRL's trainers do that would break the guarantee is replaced or refused:
   (PEFT) records nothing without gradients, so the reference is neither clipped nor counted.
 * **The arguments.** ``SFTConfig`` and ``DPOConfig`` add fields; each has a row
   (``opake.transformers.trl_arguments``), and a value a row does not accept is refused with its
-  reason before TRL or opake touches the model.
+  reason before TRL or opake touches the model. ``DPSFTConfig`` and ``DPDPOConfig`` are those
+  configs with the privacy fields of ``DPTrainingArguments`` (``--target_epsilon`` ... on a
+  command line); the trainers read the request from them or from their keyword arguments.
 
 Needs ``pip install trl`` (in opake's ``transformers`` extra); ``opake.transformers`` imports this
 module only when ``DPSFTTrainer`` or ``DPDPOTrainer`` is asked for.
@@ -47,9 +49,22 @@ from opake.transformers.arguments import UnsupportedTrainingArgumentError
 from opake.transformers.batches import pair_micro_batches
 from opake.transformers.preference import PairLossSettings, completion_log_probs, pair_losses
 from opake.transformers.trainer import PrivateTrainerMixin
+from opake.transformers.training_arguments import PRIVACY_FIELDS, PrivacyArguments
 from opake.transformers.trl_arguments import DPO_ARGUMENT_RULES, SFT_ARGUMENT_RULES
 
-__all__ = ["DPDPOTrainer", "DPSFTTrainer"]
+__all__ = ["DPDPOConfig", "DPDPOTrainer", "DPSFTConfig", "DPSFTTrainer"]
+
+
+@dataclasses.dataclass
+class DPSFTConfig(PrivacyArguments, trl.SFTConfig):
+    """TRL's ``SFTConfig`` with the privacy fields (``PrivacyArguments``, as ``DPTrainingArguments``):
+    the arguments of ``DPSFTTrainer``, one flag each under ``HfArgumentParser``."""
+
+
+@dataclasses.dataclass
+class DPDPOConfig(PrivacyArguments, trl.DPOConfig):
+    """TRL's ``DPOConfig`` with the privacy fields (``PrivacyArguments``): the arguments of
+    ``DPDPOTrainer``."""
 
 _NOT_MODEL_INPUTS = ("completion_mask", "ref_chosen_logps", "ref_rejected_logps")
 
@@ -62,10 +77,12 @@ def _bf16_available() -> bool:
 
 def _as_config(args, config_class):
     """``args`` as ``config_class`` (TRL's trainers convert plain TrainingArguments the same way):
-    every TrainingArguments field kept, TRL's own at their defaults."""
+    every TrainingArguments field kept, TRL's own at their defaults. The privacy fields of a
+    ``DPTrainingArguments`` are left out: the trainer has read them into its request already."""
     if isinstance(args, config_class):
         return args
-    values = {field.name: getattr(args, field.name) for field in dataclasses.fields(args) if field.init}
+    values = {field.name: getattr(args, field.name) for field in dataclasses.fields(args)
+              if field.init and field.name not in PRIVACY_FIELDS}
     return config_class(**values)
 
 
@@ -80,9 +97,9 @@ def _refuse_auxiliary_loss(trainer) -> None:
 class DPSFTTrainer(PrivateTrainerMixin, trl.SFTTrainer):
     """``trl.SFTTrainer`` whose training is the privacy plan of ``opake.torch.make_private``.
 
-    Takes SFTTrainer's arguments, then the plan's, keyword-only, as ``DPTrainer`` does
-    (``target_delta``, ``target_epsilon`` or ``noise_multiplier``, ``strategy``, ``sampling``,
-    ``amplification``, ``key``, ``privacy_unit``). The loss is each example's own token mean
+    Takes SFTTrainer's arguments, then the plan's, keyword-only or in ``args`` (a ``DPSFTConfig``),
+    as ``DPTrainer`` does (``target_delta``, ``target_epsilon`` or ``noise_multiplier``,
+    ``strategy``, ``sampling``, ``amplification``, ``key``, ``privacy_unit``). The loss is each example's own token mean
     (over its completion with ``completion_only_loss``). ``SFTConfig`` values that would break
     the guarantee (packing, padding-free batches, DFT loss, activation offloading) raise
     ``UnsupportedTrainingArgumentError`` with their reasons; ``args=None`` is an ``SFTConfig``
@@ -133,9 +150,10 @@ class DPDPOTrainer(PrivateTrainerMixin, trl.DPOTrainer):
     preference pair being one privacy unit.
 
     Takes DPOTrainer's arguments (``ref_model=`` for a separate frozen reference; with PEFT the
-    policy with its adapters disabled is the reference), then the plan's, keyword-only, as
-    ``DPTrainer`` does. ``per_device_train_batch_size x gradient_accumulation_steps`` is the
-    planned expected number of *pairs* per step, and each micro-batch holds at most
+    policy with its adapters disabled is the reference), then the plan's, keyword-only or in
+    ``args`` (a ``DPDPOConfig``), as ``DPTrainer`` does. ``per_device_train_batch_size x
+    gradient_accumulation_steps`` is the planned expected number of *pairs* per step, and each
+    micro-batch holds at most
     ``per_device_train_batch_size`` pairs (twice as many rows). Each pair's chosen and rejected
     rows are clipped together at ``max_grad_norm``, and epsilon is for adding or removing one
     pair. ``DPOConfig`` values whose loss would mix pairs (``loss_type`` 'aot', 'aot_unpaired',

@@ -12,7 +12,7 @@ out a part it tells the optimizer whether that part ends its planned batch
 (``OpacusDPOptimizer.signal_skip_step``): the steps after the other parts release nothing and
 their ``zero_grad()`` keeps the clipped sums, so each planned batch gets one real step over all
 its examples, clipped one by one. The trained model is the one the loop without the manager
-gives, up to the order of floating-point additions (tests/test_torch_opacus_compat.py). The
+gives, up to the order of floating-point additions (tests/torch/opacus/test_compat.py). The
 noise, the accounting and the check of each step are unchanged.
 """
 

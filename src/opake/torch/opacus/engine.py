@@ -41,6 +41,7 @@ from opake.torch.opacus.keys import run_key
 from opake.torch.opacus.optimizer import as_opacus_optimizer
 from opake.torch.opacus.options import from_loader, refuse_other_options, remember_source
 from opake.torch.private import PrivateTraining, make_private
+from opake.torch.request import PrivacySpec
 from opake.torch.validation import fix_model, require_valid_model
 
 __all__ = ["UNPLANNED_EPOCHS", "PrivacyEngine"]
@@ -98,11 +99,12 @@ class PrivacyEngine:
         dataset, batch_size, loader_options = from_loader(data_loader)
         if target_delta is None:
             target_delta = min(1e-5, 1.0 / len(dataset))
-        return self._attach(module=module, optimizer=optimizer, dataset=dataset, batch_size=batch_size, epochs=epochs,
-                            max_grad_norm=max_grad_norm, noise_multiplier=noise_multiplier, target_delta=target_delta,
-                            strategy=strategy, sampling=sampling, lr_scheduler=lr_scheduler, key=key,
-                            loss_reduction=loss_reduction, progress=progress, noise_correction=noise_correction,
-                            loader_options=loader_options)
+        request = PrivacySpec(batch_size=batch_size, epochs=epochs, max_grad_norm=max_grad_norm,
+                              noise_multiplier=noise_multiplier, target_delta=target_delta, strategy=strategy,
+                              sampling=sampling)
+        return self._attach(request, module=module, optimizer=optimizer, dataset=dataset, lr_scheduler=lr_scheduler,
+                            key=key, loss_reduction=loss_reduction, progress=progress,
+                            noise_correction=noise_correction, loader_options=loader_options)
 
     def make_private_with_epsilon(self, *, module, optimizer, data_loader, target_epsilon, target_delta, epochs,
                                   max_grad_norm, criterion=None, batch_first=True, loss_reduction="mean",
@@ -123,9 +125,11 @@ class PrivacyEngine:
                                   target_epsilon=target_epsilon, target_delta=target_delta, optimizer=optimizer,
                                   lr_scheduler=lr_scheduler, strategy=strategy,
                                   sampling=None if poisson_sampling else "balls_in_bins", progress=progress)
-        returned = self._attach(module=module, optimizer=optimizer, dataset=dataset, batch_size=batch_size,
-                                epochs=epochs, max_grad_norm=max_grad_norm, noise_multiplier=choice.noise_multiplier,
-                                target_delta=target_delta, strategy=choice.strategy, sampling=choice.sampling,
+        # The choice calibrated the noise on the accountant this plan builds: the request names it.
+        request = PrivacySpec(batch_size=batch_size, epochs=epochs, max_grad_norm=max_grad_norm,
+                              noise_multiplier=choice.noise_multiplier, target_delta=target_delta,
+                              strategy=choice.strategy, sampling=choice.sampling)
+        returned = self._attach(request, module=module, optimizer=optimizer, dataset=dataset,
                                 lr_scheduler=lr_scheduler, key=key, loss_reduction=loss_reduction,
                                 progress=progress, noise_correction=noise_correction, loader_options=loader_options)
         planned = self.private.epsilon
@@ -181,10 +185,10 @@ class PrivacyEngine:
         refuse_other_options(**options)
         require_valid_model(module)  # before the seconds a choice can take
 
-    def _attach(self, *, loader_options: dict, key, **arguments):
-        private = make_private(key=run_key(key, self.secure_mode), **arguments, **loader_options)
+    def _attach(self, request: PrivacySpec, *, loader_options: dict, key, **arguments):
+        private = make_private(privacy=request, key=run_key(key, self.secure_mode), **arguments, **loader_options)
         as_opacus_optimizer(private.optimizer)
-        remember_source(private.data_loader, arguments["batch_size"], loader_options)  # a later run may reuse it
+        remember_source(private.data_loader, request.batch_size, loader_options)  # a later run may reuse it
         self.private = private
         return private.module, private.optimizer, private.data_loader  # one epoch of the plan per pass
 

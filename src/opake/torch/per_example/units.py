@@ -28,7 +28,7 @@ Two routes to the (U,) squared norms:
   the sum pass are reduced to (U, ...) unit sums, never more than the B rows it held before.
 
 Both routes are tested against a dense reference (autograd's gradient of each unit's summed loss)
-in tests/test_torch_privacy_units.py.
+in tests/torch/test_privacy_units.py.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ valid bound, so the grid only loosens it). Its likelihood ratio on S is about
 e^(a tau - a^2/2) / b, that of the optimal test at the crossing, so the bound is close where the
 unit's own bin dominates (several epochs, where balls in bins is weakest); for one epoch it is
 loose, and a planner then calibrates the PLD. Checked below the allocation PLD and against a
-Monte Carlo of the test in tests/test_torch_choice.py.
+Monte Carlo of the test in tests/torch/test_choice.py.
 """
 
 from __future__ import annotations

@@ -111,7 +111,7 @@ RMS_NORM = RMSNormRule()
 LLAMA_RMS_NORM = LlamaRMSNormRule()
 
 # Hugging Face classes whose forward is LlamaRMSNorm's, line for line (read in transformers 5.24;
-# tests/test_torch_hf_models.py compares each installed one with the oracle).
+# tests/torch/per_example/test_hf_models.py compares each installed one with the oracle).
 LLAMA_RMS_NORM_CLASSES = tuple(
     f"transformers.models.{family}.modeling_{family}.{name}RMSNorm"
     for family, name in (
