@@ -177,6 +177,11 @@ class DPOptimizer(torch.optim.Optimizer):
                 "DPOptimizer.step does not take a closure: a closure re-evaluates the loss, which "
                 "would release gradients without noise; call loss.backward() before step()"
             )
+        return self._apply(self._release())
+
+    def _release(self):
+        """The step's release: checks the planned batch, noises the clipped sums, writes them into
+        ``.grad`` (the ``NoisedPytree``); the wrapped optimizer is not stepped (``_apply``)."""
         step = self.run.step
         if step >= self.run.n_steps:
             raise PlanExhaustedError(
@@ -204,6 +209,10 @@ class DPOptimizer(torch.optim.Optimizer):
         noisy = self.run.release(gradients)
         self.reduction.write(self.parameters, noisy.pytree)
         self.last_step_examples = examples
+        return noisy
+
+    def _apply(self, noisy):
+        """The wrapped optimizer's step on the released gradients ``noisy`` (already in ``.grad``)."""
         correction = self.noise_correction
         if correction.enabled and not correction.by_optimizer:
             with self.guard.stepping():

@@ -9,16 +9,17 @@ An Opacus script changes its import lines only::
     from opake.torch import DPLSTM                        # from opacus.layers import DPLSTM
 
 One module per job: ``engine`` (the calls), ``options`` (Opacus options and the DataLoader),
-``keys`` (the run's key), ``accountant`` (``privacy_engine.accountant``), ``optimizer``
-(``expected_batch_size``, skipped steps), ``batch_memory_manager``, ``checkpoint``,
-``validators``.
+``keys`` (the run's key), ``no_noise`` (``noise_multiplier=0``), ``accountant``
+(``privacy_engine.accountant``), ``optimizer`` (``expected_batch_size``, skipped steps,
+closures, ``pre_step``), ``batch_memory_manager``, ``checkpoint``, ``validators``.
 """
 
 from opake.torch.opacus.batch_memory_manager import BatchMemoryManager
 from opake.torch.opacus.engine import UNPLANNED_EPOCHS, PrivacyEngine
+from opake.torch.opacus.no_noise import NoNoiseWarning
 from opake.torch.opacus.optimizer import OpacusDPOptimizer
 from opake.torch.opacus.validators import ModuleValidator
 from opake.torch.recurrent import DPGRU, DPLSTM, DPRNN
 
 __all__ = ["DPGRU", "DPLSTM", "DPRNN", "UNPLANNED_EPOCHS", "BatchMemoryManager", "ModuleValidator",
-           "OpacusDPOptimizer", "PrivacyEngine"]
+           "NoNoiseWarning", "OpacusDPOptimizer", "PrivacyEngine"]

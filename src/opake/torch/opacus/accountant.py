@@ -63,7 +63,7 @@ class RunAccountant:
             return {"mechanism": "none", "steps": 0}
         plan = private.plan
         return {"mechanism": str(plan.accounting), "steps": private.steps_taken,
-                "noise_multiplier": plan.noise_multiplier, "sample_rate": plan.sample_rate,
+                "noise_multiplier": private.noise_multiplier, "sample_rate": plan.sample_rate,
                 "n_steps": plan.n_steps}
 
     def load_state_dict(self, state_dict: dict) -> None:

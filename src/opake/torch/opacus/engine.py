@@ -32,12 +32,15 @@ Opacus' default: ``torch.manual_seed`` reproduces a run) or from the operating s
 
 from __future__ import annotations
 
+from torch import nn
+
 from opake.dpftrl.noise import identity_strategy
 from opake.errors import InvalidArgumentError, InvalidStateError, InvalidTypeError
 from opake.torch.choice import choose_mechanism
 from opake.torch.opacus.accountant import RunAccountant
 from opake.torch.opacus.checkpoint import load_checkpoint, save_checkpoint
 from opake.torch.opacus.keys import run_key
+from opake.torch.opacus.no_noise import PLACEHOLDER_SIGMA, is_no_noise, no_noise_key, warn_no_noise, without_noise
 from opake.torch.opacus.optimizer import as_opacus_optimizer
 from opake.torch.opacus.options import from_loader, refuse_other_options, remember_source
 from opake.torch.private import PrivateTraining, make_private
@@ -83,15 +86,26 @@ class PrivacyEngine:
 
         DP-SGD with Poisson sampling by default (module docstring); ``epochs`` optional for it.
         ``target_delta`` (default ``min(1e-5, 1 / len(dataset))``) is the delta of
-        ``self.private.epsilon``; ``get_epsilon(delta)`` answers for any delta. ``criterion`` is
-        accepted and unused (Opacus needs it for ghost clipping only). ``strategy``,
+        ``self.private.epsilon``; ``get_epsilon(delta)`` answers for any delta. ``grad_sample_mode``
+        takes any of Opacus' modes (``GRAD_SAMPLE_MODES``) and changes nothing computed; with
+        ``"ghost"`` the return is Opacus' ``(module, optimizer, criterion, data_loader)``, the
+        criterion as given (``criterion`` is otherwise unused). ``strategy``,
         ``lr_scheduler``, ``key``, ``progress`` and ``noise_correction`` are ``opake.torch.make_private``'s
         (an Adam or AdamW is stepped with its second moment corrected for the noise unless
         ``noise_correction=False``: post-processing, the epsilon is the same).
+        ``noise_multiplier=0`` is Opacus' clipping-only run: the planned batches, clipped, released
+        without noise; it warns (``NoNoiseWarning``) and its epsilon is infinite
+        (``opake.torch.opacus.no_noise``).
         """
         self._check(kwargs, dict(clipping=clipping, max_grad_norm=max_grad_norm, grad_sample_mode=grad_sample_mode,
                                  noise_generator=noise_generator, batch_first=batch_first, wrap_model=wrap_model,
                                  rand_on_empty=rand_on_empty), module)
+        no_noise = is_no_noise(noise_multiplier)
+        if no_noise:  # Opacus' clipping-only run (opake.torch.opacus.no_noise)
+            if noise_correction:
+                raise InvalidArgumentError("noise_correction=True with noise_multiplier=0: there is no noise to "
+                                           "correct the optimizer's second moment for; drop noise_correction")
+            noise_multiplier, noise_correction = PLACEHOLDER_SIGMA, False
         strategy = identity_strategy() if strategy is None else strategy
         sampling = _sampling(strategy, poisson_sampling)
         if epochs is None:
@@ -102,9 +116,11 @@ class PrivacyEngine:
         request = PrivacySpec(batch_size=batch_size, epochs=epochs, max_grad_norm=max_grad_norm,
                               noise_multiplier=noise_multiplier, target_delta=target_delta, strategy=strategy,
                               sampling=sampling)
-        return self._attach(request, module=module, optimizer=optimizer, dataset=dataset, lr_scheduler=lr_scheduler,
-                            key=key, loss_reduction=loss_reduction, progress=progress,
-                            noise_correction=noise_correction, loader_options=loader_options)
+        returned = self._attach(request, module=module, optimizer=optimizer, dataset=dataset,
+                                lr_scheduler=lr_scheduler, key=key, loss_reduction=loss_reduction, progress=progress,
+                                noise_correction=noise_correction, loader_options=loader_options,
+                                no_noise=no_noise)
+        return _as_opacus_returns(returned, grad_sample_mode, criterion)
 
     def make_private_with_epsilon(self, *, module, optimizer, data_loader, target_epsilon, target_delta, epochs,
                                   max_grad_norm, criterion=None, batch_first=True, loss_reduction="mean",
@@ -139,7 +155,7 @@ class PrivacyEngine:
             raise InvalidStateError(f"the planned run's epsilon {planned} exceeds the target {choice.target_epsilon}; "
                                     f"nothing was trained (please report this)")
         self.choice = choice
-        return returned
+        return _as_opacus_returns(returned, grad_sample_mode, criterion)
 
     def get_epsilon(self, delta: float) -> float:
         """The epsilon spent so far, by the steps taken, at ``delta`` (``self.accountant.get_epsilon``)."""
@@ -185,12 +201,27 @@ class PrivacyEngine:
         refuse_other_options(**options)
         require_valid_model(module)  # before the seconds a choice can take
 
-    def _attach(self, request: PrivacySpec, *, loader_options: dict, key, **arguments):
-        private = make_private(privacy=request, key=run_key(key, self.secure_mode), **arguments, **loader_options)
+    def _attach(self, request: PrivacySpec, *, loader_options: dict, key, no_noise=False, **arguments):
+        key = run_key(key, self.secure_mode)
+        private = make_private(privacy=request, key=no_noise_key(key) if no_noise else key, **arguments,
+                               **loader_options)
+        if no_noise:
+            without_noise(private)
+            warn_no_noise()  # once the run is planned: a refused call says only why
         as_opacus_optimizer(private.optimizer)
         remember_source(private.data_loader, request.batch_size, loader_options)  # a later run may reuse it
         self.private = private
         return private.module, private.optimizer, private.data_loader  # one epoch of the plan per pass
+
+
+def _as_opacus_returns(returned: tuple, grad_sample_mode: str, criterion) -> tuple:
+    """Opacus' returns: ``(module, optimizer, criterion, data_loader)`` for ``grad_sample_mode="ghost"``
+    (the criterion as given, Opacus' default ``nn.CrossEntropyLoss()`` without one: its plain backward is
+    clipped per example by the module's hooks), ``(module, optimizer, data_loader)`` otherwise."""
+    if grad_sample_mode != "ghost":
+        return returned
+    module, optimizer, data_loader = returned
+    return module, optimizer, nn.CrossEntropyLoss() if criterion is None else criterion, data_loader
 
 
 def _sampling(strategy, poisson_sampling: bool) -> str:

@@ -1,4 +1,4 @@
-"""The private optimizer as Opacus scripts use it: ``expected_batch_size`` and skipped steps.
+"""The private optimizer as Opacus scripts use it: ``expected_batch_size``, skipped steps, closures.
 
 ``OpacusDPOptimizer`` is opake's ``DPOptimizer`` with the two calls Opacus' scripts and
 ``BatchMemoryManager`` make on it. ``expected_batch_size`` is the constant the clipped sum is
@@ -10,6 +10,14 @@ before its one real step, which checks, as every step does, that the examples cl
 last real ``zero_grad()`` are exactly the planned batch's (``opake.torch.loader``). A skipped
 step changes nothing a release depends on, so it cannot weaken the guarantee.
 
+``step(closure)`` runs the closure once, before the release (Opacus' order), and steps the
+wrapped optimizer without it: the closure's backward is clipped like any other, and the step's
+check of the planned batch still runs, so a closure cannot release gradients outside the plan or
+without noise (an optimizer that re-evaluates its closure, as L-BFGS does, never sees it).
+``accumulated_iterations`` counts the passes clipped since ``zero_grad()``. ``pre_step()`` makes
+the step's release (checks, clipped sums, noise, into ``.grad``) and the next ``step()`` applies
+it; ``add_noise()`` alone is refused: the noise is added in that one release.
+
 The adapter turns the ``DPOptimizer`` that ``make_private`` built into this class
 (``as_opacus_optimizer``): the same object, so ``private.optimizer`` is the returned optimizer
 and ``isinstance(optimizer, DPOptimizer)`` still holds.
@@ -17,17 +25,21 @@ and ``isinstance(optimizer, DPOptimizer)`` still holds.
 
 from __future__ import annotations
 
-from opake.errors import InvalidTypeError
+import torch
+
+from opake.errors import InvalidStateError, InvalidTypeError
 from opake.torch.optimizer import DPOptimizer
 
 __all__ = ["OpacusDPOptimizer", "as_opacus_optimizer"]
 
 
 class OpacusDPOptimizer(DPOptimizer):
-    """``DPOptimizer`` with Opacus' ``expected_batch_size`` and ``signal_skip_step`` (module docstring)."""
+    """``DPOptimizer`` with Opacus' ``expected_batch_size``, ``signal_skip_step``, ``accumulated_iterations``,
+    ``pre_step`` and ``step(closure)`` (module docstring)."""
 
     _skip_queue: list
     _last_step_skipped: bool
+    _pending: object  # the release pre_step() made, until step() applies it
 
     @property
     def expected_batch_size(self) -> float:
@@ -42,19 +54,66 @@ class OpacusDPOptimizer(DPOptimizer):
         """Forget queued skips (a new pass of physical parts starts; a pass left early left some)."""
         self._skip_queue.clear()
 
-    def step(self, closure=None):
+    @property
+    def accumulated_iterations(self) -> int:
+        """The forward/backward passes clipped since the last real ``zero_grad()`` (Opacus counts the
+        backward passes accumulated before a step; one per physical part of a planned batch)."""
+        return self.clipper.passes
+
+    def pre_step(self, closure=None) -> bool:
+        """Opacus' first half of ``step()``: the release (the planned batch's clipped sums, noised,
+        written into ``.grad``) without the wrapped optimizer's step; False, releasing nothing, for a
+        skipped step. The next ``step()`` applies that release (it releases nothing more); the wrapped
+        optimizer's own ``step()`` stays refused. ``closure`` is run first, as in ``step``."""
+        if self._pending is not None:
+            raise InvalidStateError("pre_step() already released this step; call optimizer.step() to apply it")
+        self._run_closure(closure)
         if self._skip_queue and self._skip_queue.pop(0):
-            if closure is not None:
-                raise InvalidTypeError("DPOptimizer.step does not take a closure; call loss.backward() before step()")
             self._last_step_skipped = True
-            return None
+            return False
         self._last_step_skipped = False
-        return super().step(closure)
+        self._pending = self._release()
+        return True
+
+    def add_noise(self) -> None:
+        """Refused: the noise is added in the one release of the clipped sums (``pre_step()``/``step()``)."""
+        raise InvalidStateError(
+            "add_noise() is not available on its own: opake adds the noise in the same release that checks the "
+            "planned batch and divides the clipped sum by the expected batch size (Opacus' clip, add_noise and "
+            "scale_grad together); call optimizer.pre_step() for that release, or optimizer.step()"
+        )
+
+    def step(self, closure=None):
+        """Opacus' step: ``closure()`` first, if given, under ``torch.enable_grad()`` (it zeroes the
+        gradients, computes the loss on the planned batch and calls ``backward``), then the release,
+        whose checks are a closure-less step's (the examples clipped are exactly the planned batch's),
+        and the wrapped optimizer's step without the closure. After ``pre_step()`` returned True it
+        applies that release (a closure is then refused). Returns the closure's loss (None without)."""
+        if self._pending is not None:
+            if closure is not None:
+                raise InvalidTypeError("pre_step() released this step already: call step() without a closure")
+            noisy, self._pending = self._pending, None
+            return self._apply(noisy)
+        loss = self._run_closure(closure)
+        if self._skip_queue and self._skip_queue.pop(0):
+            self._last_step_skipped = True
+            return loss
+        self._last_step_skipped = False
+        returned = super().step()
+        return loss if closure is not None else returned
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self._pending = None  # a release pre_step() made and no step() applied is dropped with .grad
         if self._last_step_skipped:
             return  # the clipped parts of this planned batch wait for its real step
         super().zero_grad(set_to_none=set_to_none)
+
+    @staticmethod
+    def _run_closure(closure):
+        if closure is None:
+            return None
+        with torch.enable_grad():
+            return closure()
 
 
 def as_opacus_optimizer(optimizer: DPOptimizer) -> OpacusDPOptimizer:
@@ -64,4 +123,5 @@ def as_opacus_optimizer(optimizer: DPOptimizer) -> OpacusDPOptimizer:
     optimizer.__class__ = OpacusDPOptimizer  # adds methods only: no state of the run moves
     optimizer._skip_queue = []
     optimizer._last_step_skipped = False
+    optimizer._pending = None
     return optimizer

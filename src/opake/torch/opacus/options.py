@@ -19,7 +19,11 @@ import torch
 from opake.errors import InvalidArgumentError, InvalidTypeError
 from opake.torch.loader import PlannedDataLoader
 
-__all__ = ["from_loader", "refuse_other_options", "remember_source"]
+__all__ = ["GRAD_SAMPLE_MODES", "from_loader", "refuse_other_options", "remember_source"]
+
+# Opacus' ways of computing per-example gradients: one exact per-example clipping serves them all,
+# so the choice changes nothing a step computes.
+GRAD_SAMPLE_MODES = ("hooks", "ghost", "functorch", "ew")
 
 # The attribute of a planned loader returned by the adapter that holds what it was made from.
 _SOURCE = "_opacus_source"
@@ -38,11 +42,11 @@ def refuse_other_options(*, clipping="flat", max_grad_norm=1.0, grad_sample_mode
             f"parameters together (flat clipping, by hooks) to one float max_grad_norm; drop the "
             f"argument"
         )
-    if grad_sample_mode != "hooks":
+    if grad_sample_mode not in GRAD_SAMPLE_MODES:
         raise InvalidArgumentError(
-            f"grad_sample_mode={grad_sample_mode!r} is not available: opake computes the clipped "
-            f"per-example gradients with its own hooks on the module (ghost norms where a layer "
-            f"allows); drop the argument"
+            f"grad_sample_mode must be one of Opacus' modes {GRAD_SAMPLE_MODES}, got {grad_sample_mode!r}: "
+            f"each is accepted and means the same here (opake clips each example's gradient exactly with "
+            f"its own hooks on the module, ghost norms where a layer allows)"
         )
     if noise_generator is not None:
         raise InvalidArgumentError("noise_generator is not available: the run's key seeds the batches and the noise; "

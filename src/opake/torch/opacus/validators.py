@@ -1,8 +1,9 @@
 """``ModuleValidator``: Opacus' model checks and fixes, as opake's ``validate_model`` / ``fix_model``.
 
 ``validate(module, strict=False)`` lists what per-example clipping cannot handle (errors, one a
-layer; ``strict=True`` raises the first), ``is_valid(module)``, ``fix(module)`` returns a fixed
-copy (BatchNorm to GroupNorm, recurrent layers to opake's, same weights), ``fix_and_validate``.
+layer; ``strict=True`` raises one naming them all, the list at its ``errors``),
+``is_valid(module)``, ``fix(module)`` returns a fixed copy (BatchNorm to GroupNorm, recurrent
+layers to opake's, same weights), ``fix_and_validate``.
 """
 
 from __future__ import annotations
@@ -19,9 +20,15 @@ class ModuleValidator:
 
     @staticmethod
     def validate(module: nn.Module, *, strict: bool = False) -> list:
+        """One ``ModelValidationError`` (a ``ValueError``) a layer per-example clipping cannot handle, as
+        Opacus returns its errors; ``strict=True`` raises one naming them all, the list at ``.errors``."""
         errors = [ModelValidationError(problem) for problem in validate_model(module)]
         if strict and errors:
-            require_valid_model(module)
+            try:
+                require_valid_model(module)
+            except ModelValidationError as error:
+                error.errors = errors
+                raise
         return errors
 
     @staticmethod
