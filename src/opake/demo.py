@@ -313,10 +313,15 @@ def conclusion(results, settings: DemoSettings) -> str:
 
 
 def main(settings: DemoSettings = DemoSettings()) -> int:
-    # A 2.4k-parameter model: thread start-up costs more than it saves.
+    # A 2.4k-parameter model: thread start-up costs more than it saves. The caller's setting is
+    # restored after the runs (main is also called in-process, by tests).
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
     start = time.perf_counter()
-    participation, results = run_demo(settings)
+    try:
+        participation, results = run_demo(settings)
+    finally:
+        torch.set_num_threads(threads)
     seconds = time.perf_counter() - start
     seeds = ", ".join(str(s) for s in settings.seeds)
     grid = ", ".join(f"{lr:g}" for lr in settings.learning_rates)
