@@ -77,12 +77,13 @@ class DPOptimizer(torch.optim.Optimizer):
     sums meet across processes (``opake.torch.reduction``), ``autograd_parameters`` the tensors
     autograd accumulates into when they are not the parameters (FSDP's unsharded ones),
     ``noise_correction`` whether the wrapped Adam's second moment is corrected for the noise
-    (``opake.torch.adamw.NoiseCorrection``, from ``noise_correction_for``).
+    (``opake.torch.adamw.NoiseCorrection``, from ``noise_correction_for``), ``contract`` the plan's
+    record of the module and the optimizer (``opake.torch.contract``), checked first in every step.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, run, clipper, parameters: dict, normalization: float,
-                 noise_multiplier: float, noise_correction: NoiseCorrection, reduction=None, autograd_parameters=None,
-                 contract=None):
+                 noise_multiplier: float, noise_correction: NoiseCorrection, contract, reduction=None,
+                 autograd_parameters=None):
         # Not Optimizer.__init__: the wrapped optimizer owns the groups and the state.
         self.original_optimizer = optimizer
         self.noise_correction = noise_correction
@@ -192,8 +193,7 @@ class DPOptimizer(torch.optim.Optimizer):
             )
         failure, sums, examples = None, None, 0
         try:
-            if self.contract is not None:  # the module and the groups are still the plan's
-                self.contract.check()
+            self.contract.check()  # the module and the groups are still the plan's
             sums, examples = self._clipped_sums(step)
             self.run.check(step, examples)
             self._check_coverage_once(examples)

@@ -117,8 +117,7 @@ class PrivateTraining:
         to every optimizer (``.grad`` fills again, any optimizer may step); the run cannot step after."""
         warn_if_short(self, "private.detach()")
         self.optimizer.clipper.remove()
-        if self.optimizer.contract is not None:
-            self.optimizer.contract.remove()
+        self.optimizer.contract.remove()
         self.optimizer.release_wrapped_optimizer()
         self._loss_hooks.remove()
         if getattr(self.module, _MARK, None) is not None and getattr(self.module, _MARK)() is self:

@@ -33,7 +33,7 @@ from opake.errors import InvalidArgumentError, OpakeError
 from opake.random import RngKey, key as make_key
 
 __all__ = ["LauncherWorldError", "RankDisagreementError", "agree", "broadcast_module", "dataset_digest",
-           "launcher_restarts", "rank_and_world", "require_one_run", "shared_key"]
+           "launched_world_size", "launcher_restarts", "rank_and_world", "require_one_run", "shared_key"]
 
 
 class LauncherWorldError(OpakeError, RuntimeError):
@@ -53,11 +53,16 @@ def launcher_restarts() -> int:
     return _environment_count("TORCHELASTIC_RESTART_COUNT", 0)
 
 
+def launched_world_size() -> int:
+    """How many processes the launcher started: its ``WORLD_SIZE`` (torchrun, accelerate), 1 without one."""
+    return _environment_count("WORLD_SIZE", 1)
+
+
 def require_one_run(process_group, world_size: int) -> None:
     """Several processes are one run or none: refuse to plan as one process (``world_size`` 1) when the
     launcher's environment says ``WORLD_SIZE`` > 1. Each process would plan a private run of its own
     over the whole data set, each printing one run's epsilon while together they spend several."""
-    launched = _environment_count("WORLD_SIZE", 1)
+    launched = launched_world_size()
     if world_size == 1 and launched > 1 and process_group is None:
         raise LauncherWorldError(
             f"this process was started by a launcher with WORLD_SIZE={launched}, but torch.distributed is not "

@@ -73,7 +73,7 @@ from opake.torch import PrivacySpec, make_private
 from opake.torch.checkpoint import CheckpointError, whole_digest
 from opake.torch.contract import RestartedWorkerError
 from opake.torch.loader import PlanExhaustedError
-from opake.torch.ranks import LauncherWorldError, agree, launcher_restarts
+from opake.torch.ranks import LauncherWorldError, agree, launched_world_size, launcher_restarts
 from opake.torch.short_run import warn_if_short
 from opake.transformers.arguments import (ARGUMENT_RULES, UnsupportedTrainingArgumentError, check_arguments,
                                          is_constructor_rule, with_launcher_settings)
@@ -160,7 +160,7 @@ def _require_one_trainer_world(args) -> None:
     import torch.distributed as dist
 
     grouped = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    launched = max(grouped, int(os.environ.get("WORLD_SIZE", "1") or 1))
+    launched = max(grouped, launched_world_size())
     if args.world_size == 1 and launched > 1:
         raise LauncherWorldError(
             f"the launcher started {launched} processes, but transformers sees one (TrainingArguments.world_size "
