@@ -16,7 +16,7 @@ E * ceil(N / B) steps). The ratios are the adapter's epsilon over those two.
 
 Part 2, the target-epsilon form. ``make_private_with_epsilon`` at a few budgets for the MNIST
 and CIFAR-10 settings, with each example's optimizer (SGD; CIFAR-10's has momentum 0.9): the
-mechanism chosen (``opake.torch.choice``), its noise multiplier, and the planning time (the
+mechanism chosen (``opake.planner.choice``), its noise multiplier, and the planning time (the
 choice and the plan, the seconds a script waits in ``make_private_with_epsilon``), each row in a
 fresh process, so that no strategy resolution is reused from an earlier row.
 """

@@ -14,7 +14,7 @@ Methods (every private one priced by the bound proven for adaptively chosen grad
 
 * non-private: the same fine-tuning, no clipping, no noise (the floor);
 * opake default: ``make_private`` without a strategy (the least-noise mechanism for AdamW at the
-  budget, ``opake.torch.choice``; its pick is printed), AdamW's second moment corrected for the
+  budget, ``opake.planner.choice``; its pick is printed), AdamW's second moment corrected for the
   noise (DP-AdamBC floored at the noise's variance, on by default for AdamW), and the same with
   ``noise_correction=False`` ("uncorrected");
 * opake default + DP-AdamW 1e-2 (``opake.torch.DPAdamW`` with the constant floor 1e-2 and its own
@@ -243,7 +243,7 @@ def methods(sizes: Sizes) -> dict:
 
 def fine_tune(base, parts: dict, bpe, sizes: Sizes, options, epsilon: float, learning_rate: float, seed: int) -> dict:
     """Fine-tune a copy of ``base`` privately (``options``) or not; validation and test loss."""
-    from opake.dpftrl.accounting.band_choice import cyclic_poisson_bands
+    from opake.planner import cyclic_poisson_bands
     from opake.dpftrl.noise import band_mf_strategy
     from opake.random import key
     from opake.torch import make_private

@@ -70,17 +70,24 @@ def test_context_options_alone_still_default_the_others(capsys):
 
 
 def test_a_data_set_plan_states_what_make_private_takes_without_a_strategy(capsys):
-    """The default's choice (opake.torch.choice through plan_privacy) agrees with the plan's own
-    table, computed by another path (opake.plan): the proven row with the least worst-step error."""
+    """One table: the candidates make_private chooses among, the one it takes marked, with the
+    noise multiplier and epsilon its plan has (make_private's own plan, built here, agrees)."""
     report = _plan_json(capsys, "--num-examples", "1200", "--batch-size", "40", "--epochs", "20", "--epsilon", "3")
     rows = {r["strategy"]: r for r in report["strategies"]}
     proven = ("BLT", "BandMF", "DP-SGD Poisson")  # the amplified BLT row is not proven for adaptive gradients
     least = min(proven, key=lambda name: rows[name]["rmse_max"])
     default = report["make_private_default"]
     assert least == "BandMF" and default["chosen"].startswith("BandMF")  # 4 bands: 30.9 against 34.1 and 35.1
-    assert default["epsilon"] <= 3.0
-    assert default["noise_multiplier"] == pytest.approx(rows["BandMF"]["noise_multiplier"], rel=1e-2)
+    assert [name for name, row in rows.items() if row["chosen"]] == ["BandMF"]
+    assert default["epsilon"] == rows["BandMF"]["epsilon"] <= 3.0
+    assert default["noise_multiplier"] == rows["BandMF"]["noise_multiplier"]
     assert default["chosen"] in default["reason"]
+    from opake.random import key
+    from opake.torch import plan_privacy
+
+    plan = plan_privacy(num_examples=1200, batch_size=40, epochs=20, max_grad_norm=1.0, key=key(0),
+                        target_epsilon=3.0, target_delta=1e-5)
+    assert (plan.noise_multiplier, plan.epsilon) == (default["noise_multiplier"], default["epsilon"])
 
 
 def test_the_command_answers_help_without_importing_the_planner():

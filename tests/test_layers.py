@@ -1,7 +1,7 @@
 """No import runs upward: each module imports only its own layer and the layers below.
 
 Layers (shared/design ARCHITECTURE): values and checks; strategy mathematics; the noise engine;
-accounting; clipping and sampling; the PyTorch front end; Hugging Face; the command line, demo
+accounting; clipping and sampling; the planner; the PyTorch front end; Hugging Face; the command line, demo
 and audit. Imports inside functions count too (an upward import hidden in a function is still
 one). The negative control reads a made-up upward import.
 """
@@ -18,9 +18,10 @@ LAYERS = [
     ("opake.dpftrl.noise",),
     ("opake.accounting", "opake.dpftrl.accounting"),
     ("opake.dpftrl.clipping", "opake.dpftrl.sampling", "opake.dpftrl"),
+    ("opake.planner",),
     ("opake.torch",),
     ("opake.transformers",),
-    ("opake.plan", "opake.cli", "opake.demo", "opake.audit", "opake.__main__"),
+    ("opake.cli", "opake.demo", "opake.audit", "opake.__main__"),
 ]
 
 
@@ -80,4 +81,4 @@ def test_the_check_catches_an_upward_import(tmp_path):
     path = tmp_path / "draws.py"
     path.write_text("from opake.torch.private import make_private\n")
     assert upward([(path, "opake.dpftrl.noise.engine.draws")]) == [
-        "opake.dpftrl.noise.engine.draws (layer 2) imports opake.torch.private (layer 5)"]
+        "opake.dpftrl.noise.engine.draws (layer 2) imports opake.torch.private (layer 6)"]

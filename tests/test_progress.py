@@ -18,7 +18,7 @@ from torch import nn
 import opake.progress
 from opake.cli import main
 from opake.dpftrl.noise import identity_strategy
-from opake.plan import plan_dataset, plan_run
+from opake.planner import plan_dataset, plan_run
 from opake.progress import Progress, calibration_reporter
 from opake.random import key
 from opake.torch import make_private
@@ -150,8 +150,8 @@ def test_plan_functions_report_their_stages_and_stay_silent_when_off(capfd):
     stream = io.StringIO()
     reported = plan_dataset(40, 10, 2, 3.0, 1e-5, max_buffers=2, progress=Progress(True, stream=stream, delay=0))
     text = stream.getvalue()
-    for stage in ("BLT: resolving the strategy", "BLT amplified: calibrating the noise multiplier (4 bins)",
-                  "choosing the bands: 1 band(s)", "DP-SGD Poisson: calibrating on the PLD grid", "planned 5 rows"):
+    for stage in ("BLT on balls in bins: resolving and calibrating", "choosing the bands: 1 band(s)",
+                  "BLT amplified: calibrating the noise multiplier (4 bins)", "planned 5 rows"):
         assert stage in text
     quiet = plan_dataset(40, 10, 2, 3.0, 1e-5, max_buffers=2, progress=False)
     assert [r.noise_multiplier for r in quiet.rows] == [r.noise_multiplier for r in reported.rows]

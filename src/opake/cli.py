@@ -13,8 +13,10 @@ same (epsilon, delta) without amplification, and compare their errors. With no a
 the seed's multi-epoch example (5000 steps, each unit at most 5 times, at least 100 steps apart).
 
 ``opake plan --num-examples N --batch-size B --epochs E``: plan from a data set instead
-(``opake.plan.plan_dataset``): each strategy with the sampler it runs with and its accountant,
-amplified where a proven bound exists, next to Poisson-subsampled DP-SGD as Opacus runs it.
+(``opake.planner.plan_dataset``): the mechanisms ``make_private`` chooses among (Poisson DP-SGD as
+Opacus runs it, BandMF, the BLT, DP-SGD on balls in bins), each with the sampler it runs with, its
+accountant and its noise multiplier on the plan's grid, the one ``make_private`` takes marked; the
+BLT's amplified bound (not proven for adaptive gradients) for reference.
 
 Both plan modes report their stages (strategy resolves, calibration evaluations) on stderr when
 it is a terminal; ``--progress`` forces the report on, ``--no-progress`` silences it.
@@ -70,7 +72,7 @@ def _plan(args) -> int:
         if getattr(args, name) is None:
             setattr(args, name, default)
     start = time.perf_counter()
-    from opake.plan import plan_run
+    from opake.planner import plan_run
 
     plan = plan_run(
         args.n_steps, args.min_sep, args.max_participations, args.epsilon, args.delta,
@@ -128,15 +130,12 @@ def _options(names) -> str:
 
 def _plan_dataset(args) -> int:
     start = time.perf_counter()
-    from opake.plan import plan_dataset
+    from opake.planner import plan_dataset
 
     plan = plan_dataset(args.num_examples, args.batch_size, args.epochs, args.epsilon, args.delta,
                         max_buffers=args.max_buffers, error=args.error, progress=args.progress)
     seconds = time.perf_counter() - start
-    run = plan.dataset
-    choice = _default_choice(args)
-    rows = {r.name: r for r in plan.rows}
-    blt, poisson_sgd = rows["BLT amplified"], rows["DP-SGD Poisson"]
+    run, choice = plan.dataset, plan.choice
     report = {
         "dataset": {"num_examples": run.num_examples, "batch_size": run.batch_size, "epochs": run.epochs,
                     "steps_per_epoch": run.num_bins, "n_steps": run.n_steps, "sample_rate": run.sample_rate},
@@ -145,19 +144,18 @@ def _plan_dataset(args) -> int:
                  "size); the variance of Poisson batch sizes is not counted",
         "strategies": [
             {"strategy": r.name, "sampling": r.sampling, "accounting": r.accounting,
-             "bands": r.mechanism.bands if hasattr(r.mechanism, "bands") else None,
+             "bands": getattr(r.mechanism, "bands", None),
              "blt_buffers": r.mechanism.num_buffers if r.name.startswith("BLT") else None,
-             "noise_multiplier": r.noise_multiplier, "epsilon": r.epsilon, "delta": r.delta,
+             "noise_multiplier": r.noise_multiplier, "noise_multiplier_is_lower_bound": not r.calibrated,
+             "epsilon": r.epsilon if r.calibrated else None, "delta": r.delta,
              "rmse_max": r.rmse_max, "rmse_mean": r.rmse_mean,
-             "state_bytes_per_parameter": r.state_bytes_per_parameter}
+             "state_bytes_per_parameter": r.state_bytes_per_parameter, "chosen": r.chosen}
             for r in plan.rows
         ],
-        "blt_amplified_over_poisson_dpsgd": {"rmse_max": blt.rmse_max / poisson_sgd.rmse_max,
-                                             "rmse_mean": blt.rmse_mean / poisson_sgd.rmse_mean},
         "seconds": seconds,
         "make_private_default": {"chosen": choice.chosen.name, "sampling": choice.sampling,
                                  "accounting": choice.accounting, "noise_multiplier": choice.noise_multiplier,
-                                 "epsilon": choice.epsilon, "reason": choice.reason, "seconds": choice.seconds},
+                                 "epsilon": choice.epsilon, "reason": choice.reason},
     }
     if _write_plot_or_json(plan, report, args):
         return 0
@@ -169,59 +167,21 @@ def _plan_dataset(args) -> int:
           f"{run.batch_size}; the variance of Poisson batch sizes is not counted):")
     print(f"  {'strategy':<15} {'noise mult.':>11} {'epsilon':>8} {'RMSE max':>9} {'RMSE mean':>9} {'state B/param':>13}")
     for r in plan.rows:
-        print(f"  {r.name:<15} {r.noise_multiplier:>11.4f} {r.epsilon:>8.4f} {r.rmse_max:>9.3f} "
-              f"{r.rmse_mean:>9.3f} {r.state_bytes_per_parameter:>13d}")
+        bound = "" if r.calibrated else ">= "
+        epsilon = f"{r.epsilon:>8.4f}" if r.calibrated else f"{'-':>8}"
+        print(f"  {r.name:<15} {bound + format(r.noise_multiplier, '.4f'):>11} {epsilon} "
+              f"{bound + format(r.rmse_max, '.3f'):>9} {r.rmse_mean:>9.3f} {r.state_bytes_per_parameter:>13d}"
+              f"{'  <- make_private' if r.chosen else ''}")
     print("\nSamplers and accountants:")
     for r in plan.rows:
         print(f"  {r.name:<15} {r.sampling}; {r.accounting}")
-    print(f"\n{_dataset_summary(plan, args.error)} Planned in {seconds:.1f} s.")
-    print(f"\nmake_private without a strategy (plain SGD's workload; another optimizer may choose differently) "
-          f"takes {choice.chosen.name}: {choice.reason}.\n{choice.table()}")
+    print(f"\nmake_private without a strategy takes {choice.chosen.name}: {choice.reason}. Ranked on the prefix "
+          f"sums (plain SGD, Adam-type optimizers; make_private ranks torch SGD with momentum or a schedule on "
+          f"its own workload). The amplified BLT row is for reference: its bound is not proven for adaptively "
+          f"chosen gradients. Planned in {seconds:.1f} s.")
     if args.plot:
         print(f"Plot written to {args.plot}")
     return 0
-
-
-def _default_choice(args):
-    """What make_private takes without a strategy for this data set and budget (the request planned by
-    opake.torch.planning.plan_request): the least-noise mechanism proven for adaptive gradients
-    (opake.torch.choice). The clipping bound changes no choice; 1.0 stands for any."""
-    from opake.random import key
-    from opake.torch.planning import plan_request
-    from opake.torch.request import PrivacySpec
-
-    request = PrivacySpec(batch_size=args.batch_size, epochs=args.epochs, max_grad_norm=1.0,
-                          target_epsilon=args.epsilon, target_delta=args.delta)
-    return plan_request(request, num_examples=args.num_examples, key=key(0), progress=False).choice
-
-
-def _dataset_summary(plan, error: str) -> str:
-    """The measured BLT vs Poisson DP-SGD ratio (BLT priced by the bound proven for adaptive
-    gradients, the unamplified one), the winner, and the regime."""
-    rows = {r.name: r for r in plan.rows}
-    blt, amplified, sgd = rows["BLT"], rows["BLT amplified"], rows["DP-SGD Poisson"]
-    ratio_max, ratio_mean = blt.rmse_max / sgd.rmse_max, blt.rmse_mean / sgd.rmse_mean
-    ratio = ratio_max if error == "max" else ratio_mean
-    if ratio < 0.995:
-        verdict = f"on {error} RMSE, BLT wins here"
-    elif ratio > 1.005:
-        verdict = f"on {error} RMSE, Poisson DP-SGD wins here"
-    else:
-        verdict = f"a tie on {error} RMSE (within 0.5%)"
-    proven = [r for r in plan.rows if r.name != "BLT amplified"]
-    best = min(proven, key=lambda r: r.rmse_max if error == "max" else r.rmse_mean)
-    run = plan.dataset
-    gain = amplified.rmse_max / blt.rmse_max
-    return (
-        f"BLT (balls-in-bins, unamplified: the bound proven for adaptive gradients) has {ratio_max:.2f}x the "
-        f"worst-step RMSE of Poisson DP-SGD (mean: {ratio_mean:.2f}x): {verdict}; lowest {error} RMSE among the "
-        f"proven rows: {best.name}. The amplified bound of the aligned pair, not proven for adaptive gradients, "
-        f"would give the BLT {gain:.2f}x its proven RMSE."
-        f" Measured on this error (docs/accounting.md), Poisson DP-SGD gains on correlated noise at smaller "
-        f"epsilon and with more epochs; correlated noise gains at larger epsilon, with more steps per epoch "
-        f"and with fewer epochs (here epsilon {plan.epsilon:g}, {run.epochs} epoch(s) of {run.num_bins} steps, "
-        f"sampling rate {run.sample_rate:.3g})."
-    )
 
 
 def _write_plot_or_json(plan, report: dict, args) -> bool:

@@ -20,7 +20,7 @@ calibrated by its own accountant (proven for adaptively chosen gradients, except
   gradients (docs/adaptivity.md): the row shows what the bound would buy, it is not a proven
   guarantee, and it is not make_private's default.
 * **BandMF, cyclic Poisson**: ``band_mf_strategy(bands=g)`` with g from
-  ``opake.plan.cyclic_poisson_bands`` (the power of two with the least noise error at equal
+  ``opake.planner.cyclic_poisson_bands`` (the power of two with the least noise error at equal
   privacy), g random groups served cyclically, each member drawn with probability
   ``40 g / 1200``; priced by Band23 Thm 4 with PLD.
 * **DP-SGD, Poisson**: the identity strategy with Poisson sampling of the whole training set at
@@ -51,7 +51,7 @@ from opake.dpftrl.accounting import UnprovenAmplificationWarning
 from opake.dpftrl.noise import band_mf_strategy, blt_strategy, identity_strategy
 from opake.dpftrl.sampling import BallsInBinsSampler
 from opake.errors import InvalidArgumentError, MissingDependencyError
-from opake.plan import cyclic_poisson_bands
+from opake.planner import cyclic_poisson_bands
 from opake.random import key
 from opake.torch import make_private
 

@@ -6,7 +6,7 @@ allow, ``ImportError`` for a missing optional extra), so code that catches those
 Messages say what was wrong and what to do.
 
 Where a module has a refusal of its own it defines a class for it beside the code that raises it
-(``opake.torch.planning.PlanError``, ``opake.torch.loader.UnplannedBatchError``,
+(``opake.torch.loader.UnplannedBatchError``,
 ``opake.dpftrl.noise.engine.state.CheckpointIntegrityError``, ...). The other refusals raise one
 of the general classes here:
 
@@ -18,6 +18,8 @@ of the general classes here:
   does not allow now, such as replacing the noise engine after the first step.
 - ``ConvergenceError`` (``RuntimeError``): a numerical search (a calibration, a certified bound)
   did not reach its answer within its limits.
+- ``PlanError`` (``ValueError``): a privacy request no plan can meet (an unknown sampling, a budget
+  no noise multiplier reaches, a sample rate above 1), raised before anything is built.
 - ``MissingDependencyError`` (``ImportError``): an optional extra is not installed, or is a
   version opake does not support; the message says what to install.
 
@@ -36,6 +38,7 @@ __all__ = [
     "InvalidTypeError",
     "MissingDependencyError",
     "OpakeError",
+    "PlanError",
 ]
 
 
@@ -61,3 +64,8 @@ class ConvergenceError(OpakeError, RuntimeError):
 
 class MissingDependencyError(OpakeError, ImportError):
     """An optional extra is not installed, or not in a supported version; the message says what to install."""
+
+
+class PlanError(OpakeError, ValueError):
+    """A privacy request no plan can meet (an unknown sampling, a budget no noise multiplier reaches,
+    a sample rate above 1); raised by the planner or the request before anything is built."""

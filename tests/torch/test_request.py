@@ -22,7 +22,7 @@ from opake.dpftrl.sampling import PrivacyUnits
 from opake.errors import OpakeError
 from opake.random import key
 from opake.torch import PrivacyEngine, PrivacySpec, make_private, plan_privacy, plan_request, strategy_for_optimizer
-from opake.torch.planning import PlanError
+from opake.errors import PlanError
 
 # A request that plans without calibration (a given noise multiplier, a named strategy): milliseconds.
 GIVEN = dict(batch_size=5, epochs=2, max_grad_norm=1.0, noise_multiplier=1.1, target_delta=1e-5,

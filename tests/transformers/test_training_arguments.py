@@ -21,7 +21,7 @@ pytest.importorskip("peft")
 import opake.random  # noqa: E402
 from opake.errors import OpakeError  # noqa: E402
 from opake.torch import PrivacySpec  # noqa: E402
-from opake.torch.planning import PlanError  # noqa: E402
+from opake.errors import PlanError  # noqa: E402
 from opake.transformers import (  # noqa: E402
     ARGUMENT_RULES,
     DPTrainer,

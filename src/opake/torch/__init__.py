@@ -8,7 +8,7 @@ settings make one frozen request, ``PrivacySpec`` (``make_private(..., privacy=s
 ``plan_request(spec, ...)``: ``opake.torch.request``). ``fix_model`` / ``validate_model``
 deal with layers that mix examples (BatchNorm) and recurrent layers (``DPLSTM``, ``DPGRU``,
 ``DPRNN``: nn.LSTM's interface, clipped exactly). ``choose_mechanism`` compares the proven
-mechanisms at a budget (``opake.torch.choice``). ``PrivacyEngine``, ``BatchMemoryManager`` and
+mechanisms at a budget (``opake.planner.choice``). ``PrivacyEngine``, ``BatchMemoryManager`` and
 ``ModuleValidator`` take Opacus' calls (``opake.torch.opacus``, docs/from_opacus.md).
 ``make_private`` steps a plain AdamW or Adam with its second moment corrected for the noise
 (DP-AdamBC floored at the noise's own variance; ``noise_correction=False`` turns it off);
@@ -18,7 +18,8 @@ underneath. Nothing below this package imports it.
 """
 
 from opake.torch.opacus import BatchMemoryManager, ModuleValidator, PrivacyEngine
-from opake.torch.choice import MechanismChoice, choose_mechanism
+from opake.planner import MechanismChoice
+from opake.torch.planning import choose_mechanism
 from opake.torch.recurrent import DPGRU, DPLSTM, DPRNN
 from opake.dpftrl.sampling import DatasetNotIndexableError, DatasetTooSmallError
 from opake.torch.loader import DatasetChangedError, PlanExhaustedError, PlannedDataLoader, UnplannedBatchError

@@ -59,30 +59,25 @@ from dataclasses import dataclass, field
 import torch
 
 import opake.accounting as acc
-from opake._checks import positive_finite
-from opake.accounting.calibrate import calibrate_capped
 from opake.dpftrl.accounting.allocation.bin_gram import has_non_negative_entries
 from opake.dpftrl.accounting.methods import AccountingMethod
-from opake.dpftrl.accounting.poisson import UnsupportedAmplificationError, noise_multiplier_guess
+from opake.dpftrl.accounting.poisson import UnsupportedAmplificationError
 from opake.dpftrl.noise import blt_strategy
 from opake.dpftrl.participation import Participation
 from opake.dpftrl.sampling import (BallsInBinsSampler, CyclicPoissonSampler, PrivacyUnits, UnitSampler,
                                    steps_per_epoch_of)
-from opake.errors import InvalidTypeError
-from opake.progress import Progress, calibration_reporter
+from opake.errors import InvalidStateError, InvalidTypeError, PlanError
+from opake.planner import MAX_STATE_ROWS, DatasetRun, MechanismChoice, calibrate_noise, price_noise
+from opake.planner import choose_mechanism as _choose
+from opake.progress import Progress
 from opake.random import RngKey
 from opake.torch.privacy_units import description, privacy_units
-from opake.torch.request import OPTIMIZER_BLT, SAMPLINGS, PlanError, PrivacySpec
+from opake.torch.request import OPTIMIZER_BLT, SAMPLINGS, PrivacySpec
 from opake.torch.workload import strategy_for_optimizer
 
-# strategy_for_optimizer is workload's, SAMPLINGS and PlanError the request's, re-exported
-__all__ = ["SAMPLINGS", "PlanError", "PrivacyPlan", "plan_privacy", "plan_request", "strategy_for_optimizer"]
-
-_SIGMA_RANGE = (1e-3, 1e4)
-# Cyclic Poisson's PLD grid grows as the effective noise multiplier (sigma / column norm) falls:
-# one evaluation takes about 1.5 s at 0.5, 9 s at 0.2 and 45 s at 0.1 (600 compositions, one
-# core). Calibration searches near a guess and no lower than 0.25 column norms.
-_POISSON_FLOOR = 0.25
+# strategy_for_optimizer is workload's, SAMPLINGS the request's, PlanError the errors', re-exported
+__all__ = ["SAMPLINGS", "PlanError", "PrivacyPlan", "choose_mechanism", "plan_privacy", "plan_request",
+           "strategy_for_optimizer"]
 
 
 @dataclass(frozen=True)
@@ -99,7 +94,7 @@ class PrivacyPlan:
     form the clipping assumes (``opake.torch.losses``); ``steps_per_epoch`` how many steps an
     epoch (one pass of the planned loader) takes; ``key`` the run's root key (the sampler's and
     the noise's keys are derived from it); ``choice`` the comparison that chose the mechanism
-    when none was named (``opake.torch.choice.MechanismChoice``: ``choice.table()``,
+    when none was named (``opake.planner.MechanismChoice``: ``choice.table()``,
     ``choice.reason``), else None; ``request`` the ``PrivacySpec`` the plan meets.
     """
 
@@ -196,7 +191,7 @@ def plan_privacy(
 
     ``strategy=None`` with ``target_epsilon`` (and no ``amplification``): the mechanism with the
     least noise at that budget among those proven for adaptively chosen gradients, for what
-    ``optimizer`` does with the noise (``opake.torch.choice``; restricted to ``sampling`` when
+    ``optimizer`` does with the noise (``opake.planner.choice``; restricted to ``sampling`` when
     given): a BLT on balls in bins, BandMF with cyclic Poisson sampling, DP-SGD with Poisson
     sampling or DP-SGD on balls in bins. ``plan.choice`` holds the comparison and the reason.
     Otherwise (``noise_multiplier`` given, or ``amplification`` set) ``strategy=None`` is the BLT
@@ -239,39 +234,40 @@ def plan_request(request: PrivacySpec, *, num_examples: int, key: RngKey,
     if units is not None and units.num_examples != num_examples:
         units = privacy_units(request.privacy_unit, num_examples)  # refuses, in the words of the form given
     num_drawn = num_examples if units is None else units.num_units
-    steps_per_epoch = steps_per_epoch_of(num_drawn, batch_size, users=units is not None)
-    n_steps = epochs * steps_per_epoch
-    choice, strategy = None, request.strategy
-    if strategy is None and request.calibrated and request.amplification is None:
-        from opake.torch.choice import choose_mechanism  # the choice calibrates with planning's pieces
-
-        try:
-            choice = choose_mechanism(num_examples=num_drawn, batch_size=batch_size, epochs=epochs,
-                                      target_epsilon=target_epsilon, target_delta=target_delta, optimizer=optimizer,
-                                      lr_scheduler=lr_scheduler, sampling=sampling, progress=progress)
-        except acc.CalibrationRangeError as error:
-            raise PlanError(
-                f"target_epsilon={target_epsilon} at delta={target_delta} cannot be met by any mechanism for this "
-                f"run ({epochs} epoch(s) of {steps_per_epoch} steps) with a noise multiplier in "
-                f"({_SIGMA_RANGE[0]:g}, {_SIGMA_RANGE[1]:g}): {error}. Raise the budget, or train fewer epochs"
-            ) from None
+    steps_per_epoch = steps_per_epoch_of(num_drawn, request.batch_size, users=units is not None)
+    n_steps = request.epochs * steps_per_epoch
+    choice = None
+    if request.strategy is None and request.calibrated and request.amplification is None:
+        choice = choose_mechanism(num_examples=num_drawn, batch_size=request.batch_size, epochs=request.epochs,
+                                  target_epsilon=request.target_epsilon, target_delta=request.target_delta,
+                                  optimizer=optimizer, lr_scheduler=lr_scheduler, sampling=request.sampling,
+                                  progress=progress)
         strategy, sampling = choice.strategy, choice.sampling
-        target_epsilon, noise_multiplier = None, choice.noise_multiplier  # calibrated on this plan's accountant
-    elif strategy is None or strategy == OPTIMIZER_BLT:
-        strategy = blt_strategy() if optimizer is None else strategy_for_optimizer(optimizer, n_steps, lr_scheduler)
-    sampling = "balls_in_bins" if sampling is None else sampling
-    sampler = _sampler(sampling, strategy, num_drawn, batch_size, key.fold_in("opake.torch.sampler"), units)
+    else:
+        strategy, sampling = request.strategy, request.sampling or "balls_in_bins"
+        if strategy is None or strategy == OPTIMIZER_BLT:
+            strategy = blt_strategy() if optimizer is None else strategy_for_optimizer(optimizer, n_steps,
+                                                                                       lr_scheduler)
+    sampler = _sampler(sampling, strategy, num_drawn, request.batch_size, key.fold_in("opake.torch.sampler"), units)
     participation = sampler.participation(n_steps)
-    amplification = request.amplification
-    if amplification:
+    if request.amplification:
         _check_amplifiable(sampler, strategy, n_steps)
-    method = None if amplification is None else (AccountingMethod.AMPLIFIED if amplification
-                                                 else AccountingMethod.RIGOROUS)
+    method = None if request.amplification is None else (AccountingMethod.AMPLIFIED if request.amplification
+                                                         else AccountingMethod.RIGOROUS)
     accountant = sampler.accountant(strategy, n_steps, method)
-    with _each_warning_once():
-        sigma, epsilon, process = _plan_noise(accountant, participation, target_epsilon, target_delta,
-                                              noise_multiplier, progress)
-    return PrivacyPlan(sampler, participation, strategy, process, sigma, epsilon, float(target_delta),
+    if choice is not None:
+        reporter = Progress.of(progress)
+        with reporter.stage(f"{choice.chosen.name}: the plan's accountant is the one the choice calibrated"):
+            if accountant != choice.accountant:
+                raise InvalidStateError(f"the sampler's accountant {accountant} is not the one the choice "
+                                        f"calibrated {choice.accountant}; this is a bug in opake, please report it")
+        sigma, epsilon, process = choice.noise_multiplier, choice.epsilon, choice.process
+        reporter.close(f"{choice.chosen.name}: noise multiplier {sigma:.6g} gives epsilon {epsilon:.6g} at delta "
+                       f"{request.target_delta:g}")
+    else:
+        with _each_warning_once():
+            sigma, epsilon, process = _plan_noise(accountant, participation, request, progress)
+    return PrivacyPlan(sampler, participation, strategy, process, sigma, epsilon, float(request.target_delta),
                        request.clipping_rule, steps_per_epoch, loss=loss, privacy_unit=description(units), key=key,
                        choice=choice, request=request)
 
@@ -326,14 +322,6 @@ def _check_amplifiable(sampler, strategy, n_steps: int) -> None:
 
 # -- the noise multiplier ----------------------------------------------------------------------
 
-# Calibrated noise multipliers by (accountant, epsilon, delta): the calibration is a pure function
-# of these, and the amplified bounds take seconds to calibrate, so a second identical plan
-# (another learning rate or seed) reuses the first one's sigma. Bounded, process-wide: a cache of
-# results, never a source of behaviour (a hit is re-priced exactly before it is used).
-_CALIBRATED: dict = {}
-_CALIBRATED_LIMIT = 256
-
-
 @contextlib.contextmanager
 def _each_warning_once():
     """Warnings raised while planning, each (category, message) shown once: a calibration evaluates
@@ -350,85 +338,43 @@ def _each_warning_once():
             warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
 
 
-def _plan_noise(accountant, participation, target_epsilon, target_delta, noise_multiplier, progress=None):
-    """(sigma, epsilon, process) for the plan: the given sigma priced, or sigma calibrated.
-
-    ``progress`` (None: on when stderr is a terminal) reports the seconds-long amplified
-    evaluations on stderr (``opake.progress``).
-    """
-    method = accountant.method
+def _plan_noise(accountant, participation, request: PrivacySpec, progress=None):
+    """(sigma, epsilon, process) for the plan: the request's noise multiplier priced, or one calibrated
+    to its budget (``opake.planner.calibration``). ``progress`` (None: on when stderr is a terminal)
+    reports the seconds-long amplified evaluations on stderr (``opake.progress``)."""
     reporter = Progress.of(progress)
     summary = None
     try:
-        if noise_multiplier is not None:
-            with reporter.stage(f"pricing noise multiplier {float(noise_multiplier):g} ({method} bound)"):
-                process = accountant(positive_finite("noise_multiplier", noise_multiplier))
-                epsilon = process.epsilon_at(target_delta)
-            summary = f"noise multiplier {float(noise_multiplier):g} gives epsilon {epsilon:.6g} at delta {target_delta:g}"
-            return float(noise_multiplier), epsilon, process
-        budget = acc.epsilon_budget(target_epsilon, target_delta)
-        cache_key = (accountant, budget.epsilon, budget.delta)
-        try:
-            cached = _CALIBRATED.get(cache_key)
-        except TypeError:  # an unhashable strategy: calibrate every time
-            cache_key, cached = None, None
-        if cached is not None:
-            with reporter.stage(f"checking the calibrated noise multiplier {cached:.6g} of an identical plan"):
-                process = accountant(cached)
-                epsilon = process.epsilon_at(target_delta)
-            summary = f"noise multiplier {cached:.6g}: epsilon {epsilon:.6g} <= {budget.epsilon:g}"
-            return cached, epsilon, process
-        sigma, epsilon, process = _calibrate_noise(accountant, participation, budget, target_epsilon, target_delta,
-                                                   reporter)
-        if cache_key is not None and len(_CALIBRATED) < _CALIBRATED_LIMIT:
-            _CALIBRATED[cache_key] = sigma
-        summary = f"noise multiplier {sigma:.6g}: epsilon {epsilon:.6g} <= {budget.epsilon:g} at delta {target_delta:g}"
-        return sigma, epsilon, process
+        if not request.calibrated:
+            priced = price_noise(accountant, request.noise_multiplier, request.target_delta, reporter)
+            summary = (f"noise multiplier {priced.sigma:g} gives epsilon {priced.epsilon:.6g} at delta "
+                       f"{request.target_delta:g}")
+        else:
+            budget = acc.epsilon_budget(request.target_epsilon, request.target_delta)
+            priced = calibrate_noise(accountant, budget, progress=reporter, describe=f"this plan ({participation})")
+            summary = (f"noise multiplier {priced.sigma:.6g}: epsilon {priced.epsilon:.6g} <= {budget.epsilon:g} "
+                       f"at delta {budget.delta:g}")
+        return priced.sigma, priced.epsilon, priced.process
     finally:
         reporter.close(summary)
 
 
-def _calibrate_noise(accountant, participation, budget, target_epsilon, target_delta, progress=None):
-    """Calibrate sigma to ``budget`` on the plan's accountant; ``progress`` reports the evaluations.
-
-    The amplified bounds (seconds per evaluation) go through ``calibrate_capped`` from the
-    unamplified sigma (1 to 5 evaluations instead of ~20; epsilon within 0.1% of the target, as
-    ``opake.plan.plan_dataset`` calibrates it); every result is an exact evaluation at its sigma.
-    """
-    method = accountant.method
-    progress = Progress.of(progress)
-    report = calibration_reporter(progress, budget.epsilon)
-    low, high = _SIGMA_RANGE
+def choose_mechanism(*, num_examples: int, batch_size: int, epochs: int, target_epsilon: float, target_delta: float,
+                     optimizer: torch.optim.Optimizer | None = None, lr_scheduler=None, strategy=None,
+                     sampling: str | None = None, max_state_rows: int | None = MAX_STATE_ROWS,
+                     progress: bool | None = None) -> MechanismChoice:
+    """The mechanism ``make_private`` takes without a strategy (``opake.planner.choose_mechanism``),
+    for what ``optimizer`` (with ``lr_scheduler``, as for ``make_private``) does with the noise: its
+    workload recipe is read from it (``strategy_for_optimizer``); without one, the prefix sums."""
+    run = DatasetRun(num_examples, batch_size, epochs)
+    recipe = None if optimizer is None else strategy_for_optimizer(optimizer, run.n_steps, lr_scheduler)
     try:
-        if method is AccountingMethod.POISSON_PLD:
-            # PLD evaluations slow down as sigma / column norm falls, so the search starts near the
-            # answer and stops at _POISSON_FLOOR column norms.
-            with progress.stage("calibrating the noise multiplier (cyclic Poisson, PLD)"):
-                process = accountant(high)  # a cheap evaluation: a tiny PLD at a huge sigma
-                low = _POISSON_FLOOR * process.column_norm
-                guess = noise_multiplier_guess(process.sample_rate, process.compositions, process.column_norm,
-                                               budget)
-                result = acc.calibrate_near(budget, accountant, guess, low, high, on_evaluation=report)
-        elif method in (AccountingMethod.AMPLIFIED, AccountingMethod.ALLOCATION_PLD):
-            # Both amplified balls-in-bins bounds are capped by the unamplified one, so its calibrated
-            # sigma (microseconds) meets the budget: the search's first guess and upper end.
-            with progress.stage(f"calibrating the noise multiplier (balls in bins, {method} bound)"):
-                unamplified = accountant.unamplified()
-                cap = acc.calibrate(budget, unamplified, low, high)
-                result = calibrate_capped(budget, accountant, unamplified, low, high, cap=cap, on_evaluation=report)
-        else:
-            with progress.stage(f"calibrating the noise multiplier (balls in bins, {method} bound)"):
-                result = acc.calibrate(budget, accountant, low, high, on_evaluation=report)
+        return _choose(num_examples=num_examples, batch_size=batch_size, epochs=epochs, target_epsilon=target_epsilon,
+                       target_delta=target_delta, recipe=recipe, strategy=strategy, sampling=sampling,
+                       max_state_rows=max_state_rows, progress=progress)
     except acc.CalibrationRangeError as error:
-        if method is AccountingMethod.POISSON_PLD and error.end == "min":
-            raise PlanError(
-                f"target_epsilon={target_epsilon} at delta={target_delta} is met with a noise multiplier "
-                f"below {low:.4g} under Poisson sampling, where the PLD accounting gets too costly to "
-                f"calibrate; pass noise_multiplier= (at least {low:.4g}) instead of target_epsilon"
-            ) from None
         raise PlanError(
-            f"target_epsilon={target_epsilon} at delta={target_delta} cannot be met for this plan "
-            f"({participation}) with a noise multiplier in ({low:.4g}, {high:g}): {error}. Raise the "
-            f"budget, or train fewer epochs"
+            f"target_epsilon={target_epsilon} at delta={target_delta} cannot be met by any mechanism for this "
+            f"run ({run.epochs} epoch(s) of {run.num_bins} steps) with a noise multiplier in "
+            f"the searched range: {error}. Raise the budget, or train fewer epochs"
         ) from None
-    return result.param, result.epsilon, result.process

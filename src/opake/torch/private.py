@@ -283,7 +283,7 @@ def make_private(
     (``epsilon`` is computed); ``target_delta`` always. Without ``strategy``, a ``target_epsilon``
     run takes the mechanism with the least noise at that budget for what ``optimizer`` (and
     ``lr_scheduler``) does with the noise, among those proven for adaptively chosen gradients
-    (``private.plan.choice`` says which and why; ``opake.torch.choice``); a ``noise_multiplier``
+    (``private.plan.choice`` says which and why; ``opake.planner.choice``); a ``noise_multiplier``
     run takes the BLT optimized for that workload (``strategy_for_optimizer``); ``loss_reduction`` says whether the loss is the mean (default, as
     ``F.cross_entropy``) or the sum over the batch. Extra keyword arguments go to the
     DataLoader (``num_workers``, ``pin_memory``, ...).

@@ -33,7 +33,7 @@ from opake.accounting.process import check_delta
 from opake.dpftrl.clipping import clipping_rule
 from opake.dpftrl.noise import band_mf_strategy, identity_strategy
 from opake.dpftrl.sampling import PrivacyUnits
-from opake.errors import InvalidTypeError, OpakeError
+from opake.errors import InvalidTypeError, PlanError
 from opake.torch.checkpoint import units_record
 from opake.torch.privacy_units import privacy_units
 
@@ -45,11 +45,6 @@ SAMPLINGS = ("balls_in_bins", "poisson")
 # others are recipes of their own.
 OPTIMIZER_BLT = "blt"
 STRATEGY_NAMES = (OPTIMIZER_BLT, "dp_sgd", "band_mf:BANDS")
-
-
-class PlanError(OpakeError, ValueError):
-    """A request no plan can meet (an unknown sampling, a budget no noise multiplier reaches, a sample
-    rate above 1); raised by ``PrivacySpec`` or ``plan_privacy`` before anything is built."""
 
 
 @dataclass(frozen=True, kw_only=True)

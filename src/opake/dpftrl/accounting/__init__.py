@@ -18,7 +18,7 @@ mechanism and the noise multiplier); ``check_noise_priced`` (what
 """
 
 from opake.dpftrl.accounting.allocation.balls_in_bins import BallsInBins, UnprovenAmplificationWarning, balls_in_bins
-from opake.dpftrl.accounting.gaussian import MFGaussian, UnboundMechanismError, mf_gaussian
+from opake.dpftrl.accounting.factorized_gaussian import MFGaussian, UnboundMechanismError, mf_gaussian
 from opake.dpftrl.accounting.allocation.monte_carlo import BallsInBinsMonteCarlo, DeltaEstimate, EpsilonEstimate
 from opake.dpftrl.accounting.allocation.pld import BallsInBinsPLD
 from opake.dpftrl.accounting.poisson import UnsupportedAmplificationError, poisson

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from opake.dpftrl.accounting.allocation.balls_in_bins import balls_in_bins, proven_method
-from opake.dpftrl.accounting.gaussian import mf_gaussian
+from opake.dpftrl.accounting.factorized_gaussian import mf_gaussian
 from opake.dpftrl.accounting.methods import AccountingMethod
 from opake.dpftrl.accounting.poisson import poisson
 from opake.errors import InvalidArgumentError

@@ -37,7 +37,7 @@ from opake._checks import integer_at_least
 from opake.accounting.calibrate import calibrate
 from opake.accounting.gaussian import gaussian
 from opake.accounting.process import certified_epsilon, check_delta, check_epsilon
-from opake.dpftrl.accounting.gaussian import MFGaussian
+from opake.dpftrl.accounting.factorized_gaussian import MFGaussian
 from opake.dpftrl.accounting.methods import AccountingMethod
 from opake.dpftrl.noise.priced import PricedNoise
 from opake.dpftrl.participation import Participation

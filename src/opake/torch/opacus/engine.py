@@ -19,7 +19,7 @@ taken have spent. ``private.epsilon`` is then the epsilon of all those epochs, n
 Every other mechanism's noise or accounting depends on the horizon, so it needs ``epochs=``.
 
 ``make_private_with_epsilon(target_epsilon=)`` takes the mechanism with the least noise at the
-budget among those proven for adaptively chosen gradients (``opake.torch.choice``): BLT on
+budget among those proven for adaptively chosen gradients (``opake.planner.choice``): BLT on
 balls in bins, BandMF with cyclic Poisson, DP-SGD with Poisson sampling, DP-SGD on balls in bins.
 ``privacy_engine.choice`` holds the comparison (``choice.table()``, ``choice.reason``) and
 ``privacy_engine.private.plan`` what runs. ``poisson_sampling=False`` keeps only the mechanisms
@@ -36,7 +36,7 @@ from torch import nn
 
 from opake.dpftrl.noise import identity_strategy
 from opake.errors import InvalidArgumentError, InvalidStateError, InvalidTypeError
-from opake.torch.choice import choose_mechanism
+from opake.torch.planning import choose_mechanism
 from opake.torch.opacus.accountant import RunAccountant
 from opake.torch.opacus.checkpoint import load_checkpoint, save_checkpoint
 from opake.torch.opacus.keys import run_key
@@ -129,7 +129,7 @@ class PrivacyEngine:
                                   key=None, progress=None, noise_correction=None, **kwargs):
         """The mechanism with the least noise at ``(target_epsilon, target_delta)`` over ``epochs``.
 
-        ``self.choice`` says which and why (``opake.torch.choice``); ``strategy=`` keeps the
+        ``self.choice`` says which and why (``opake.planner.choice``); ``strategy=`` keeps the
         choice to that strategy; ``poisson_sampling=False`` to balls-in-bins batches. The
         returned optimizer's run meets the budget: ``self.private.epsilon <= target_epsilon``.
         """

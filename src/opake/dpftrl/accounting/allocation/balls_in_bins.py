@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 from opake._checks import integer_at_least
 from opake.dpftrl.accounting.allocation.bin_gram import has_non_negative_entries
-from opake.dpftrl.accounting.gaussian import MFGaussian, mf_gaussian
+from opake.dpftrl.accounting.factorized_gaussian import MFGaussian, mf_gaussian
 from opake.dpftrl.accounting.allocation.monte_carlo import BallsInBinsMonteCarlo, monte_carlo
 from opake.dpftrl.accounting.methods import AccountingMethod
 from opake.dpftrl.noise.priced import PricedNoise

@@ -26,7 +26,7 @@ cache-blocked when single-threaded, see ``columns_per_advance``), and
 finally overwritten by ``gradient + scale * x``. Python loops run over leaves, noise blocks and
 cache blocks only, never over elements. The step plan (which stretch of the output and the
 buffers each leaf uses) depends only on the template and the compute dtype and is computed
-once (``engine.plan``).
+once (``engine.segments``).
 
 Purity. The returned state takes over the buffers (updated in place) and the state passed in
 is retired: using it again raises ``RetiredStateError`` instead of giving different noise.
@@ -63,7 +63,7 @@ import torch
 from opake.dpftrl.noise.engine.draws import BLOCK_ELEMENTS, BlockSampler, PerDrawKey
 from opake.dpftrl.noise.engine.layout import Layout, path_text
 from opake.dpftrl.noise.engine.pages import OutputVectors
-from opake.dpftrl.noise.engine.plan import plan_step
+from opake.dpftrl.noise.engine.segments import plan_step
 from opake.dpftrl.noise.engine.state import check_state_for, NoiseState
 from opake.dpftrl.noise.engine.variance import step_noise_variance
 from opake.dpftrl.noise.engine.streaming import streaming_inverse

@@ -1,8 +1,9 @@
-"""Planning from a data set: the bands rule, the calibrated rows, and ``opake plan --num-examples``.
+"""Planning from a data set: the bands rule, the choice's rows, and ``opake plan --num-examples``.
 
 The references are independent of the planner: dp_accounting's PLD accountant called directly
-(Poisson DP-SGD and cyclic Poisson BandMF, Band23 Thm 4), dp_accounting's Gaussian calibration
-(the unamplified DP-SGD row), and the prefix-sum error of a dense C^{-1} (numpy solve).
+(Poisson DP-SGD and cyclic Poisson BandMF, Band23 Thm 4), the random-allocation PLD evaluated at
+the bound the choice ruled DP-SGD on bins out with, and the prefix-sum error of a dense C^{-1}
+(numpy solve).
 """
 
 from __future__ import annotations
@@ -19,17 +20,19 @@ import pytest
 from dp_accounting.pld import PLDAccountant
 
 import opake.cli
-import opake.plan
+import opake.planner
 from opake.accounting import calibrate, epsilon_budget
 from opake.cli import main
 from opake.dpftrl.accounting import balls_in_bins, mf_gaussian, poisson
 from opake.dpftrl.noise import band_mf_strategy, identity_strategy
-from opake.plan import PLD_DISCRETIZATION, cyclic_poisson_bands, plan_dataset
+from opake.planner import cyclic_poisson_bands, plan_dataset
+from opake.planner.constants import PLD_DISCRETIZATION
 
 # 600 examples, 30 per step: 20 steps per epoch, 4 epochs, n_steps = 80, q = 0.05.
 NUM_EXAMPLES, BATCH_SIZE, EPOCHS, EPSILON, DELTA = 600, 30, 4, 3.0, 1e-5
 N_STEPS = EPOCHS * (NUM_EXAMPLES // BATCH_SIZE)
-NAMES = ["BLT", "BLT amplified", "BandMF", "DP-SGD Poisson", "DP-SGD unampl."]
+NAMES = ["DP-SGD Poisson", "BandMF", "BLT", "DP-SGD bins", "BLT amplified"]
+PLAN_GRID = 1e-4  # poisson()'s default grid, on which make_private prices: the chosen row's
 
 
 @functools.lru_cache(maxsize=None)
@@ -50,7 +53,7 @@ def _chosen_bands():
 @pytest.fixture
 def cli_shares_the_plan(monkeypatch):
     """The CLI tests plan the same run as the fixture; compute it once."""
-    monkeypatch.setattr(opake.plan, "plan_dataset", _cached_plan)  # the CLI imports it when it plans
+    monkeypatch.setattr(opake.planner, "plan_dataset", _cached_plan)  # the CLI imports it when it plans
 
 
 def _pld_epsilon(sample_rate, noise_multiplier, count, delta=DELTA, interval=1e-4):
@@ -122,7 +125,7 @@ def test_a_plan_prints_no_warning():
         warnings.simplefilter("always")
         plan = plan_dataset(400, 20, 3, 5.0, 1e-6, max_buffers=4, progress=False)
     assert [str(w.message) for w in caught] == []
-    assert "not proven for adaptively chosen gradients" in plan.rows[1].accounting
+    assert "not proven for adaptively chosen gradients" in plan.rows[-1].accounting
 
 
 def test_cyclic_poisson_bands_refuses_bad_input():
@@ -132,9 +135,17 @@ def test_cyclic_poisson_bands_refuses_bad_input():
         cyclic_poisson_bands(NUM_EXAMPLES, BATCH_SIZE, EPOCHS, EPSILON, DELTA, error="median")
 
 
-def test_every_row_is_calibrated_to_the_budget(plan):
+def test_every_calibrated_row_meets_the_budget_and_one_row_is_make_privates(plan):
     assert [r.name for r in plan.rows] == NAMES
+    assert [r.chosen for r in plan.rows].count(True) == 1
+    chosen = next(r for r in plan.rows if r.chosen)
+    assert chosen.name == {"DP-SGD, Poisson": "DP-SGD Poisson", "BLT": "BLT"}.get(plan.choice.chosen.name, "BandMF")
+    assert chosen.noise_multiplier == plan.choice.noise_multiplier and chosen.epsilon == plan.choice.epsilon
+    proven = [r for r in plan.rows if r.name != "BLT amplified"]
+    assert chosen.rmse_max == min(r.rmse_max for r in proven)  # prefix sums: the choice's error is rmse_max
     for row in plan.rows:
+        if not row.calibrated:
+            continue
         assert EPSILON * (1 - 1e-3) < row.epsilon <= EPSILON, row.name
         assert row.delta <= DELTA
         assert row.sampling and row.accounting and row.process is not None
@@ -152,7 +163,7 @@ def test_poisson_dpsgd_matches_dp_accounting(plan):
     row = {r.name: r for r in plan.rows}["DP-SGD Poisson"]
     sigma, q = row.noise_multiplier, BATCH_SIZE / NUM_EXAMPLES
     interval = row.process.value_discretization_interval
-    assert interval == PLD_DISCRETIZATION
+    assert interval == (PLAN_GRID if row.chosen else PLD_DISCRETIZATION)
     independent = _pld_epsilon(q, sigma, N_STEPS, interval=interval)
     assert independent == pytest.approx(row.epsilon, rel=1e-9)
     # meets the budget; stopped with epsilon within 0.1% of it or sigma within 0.01% of the smallest
@@ -165,9 +176,11 @@ def test_poisson_dpsgd_matches_dp_accounting(plan):
     assert row.state_bytes_per_parameter == 0
 
 
-def test_bandmf_row_is_band23_thm4_at_the_chosen_bands(plan):
+def test_bandmf_row_is_band23_thm4_at_the_bands_with_the_least_error(plan):
     row = {r.name: r for r in plan.rows}["BandMF"]
-    bands = _chosen_bands()
+    bands = row.process.num_groups
+    tried = [int(b) for b in re.search(r"bands tried: ([\d, ]+)", plan.choice.candidates[1].note).group(1).split(", ")]
+    assert min(tried) == 2 and bands == min(tried, key=_candidate_rmse)  # the rule, recomputed independently
     coefs = [1.0] if bands == 1 else row.mechanism.coefs
     assert len(coefs) == bands and row.process.num_groups == bands
     q = BATCH_SIZE * bands / NUM_EXAMPLES
@@ -182,37 +195,41 @@ def test_bandmf_row_is_band23_thm4_at_the_chosen_bands(plan):
     assert row.state_bytes_per_parameter == 4 * (bands - 1)
 
 
-def test_with_one_band_the_bandmf_row_is_poisson_dpsgd_priced_once():
+def test_with_room_for_one_band_there_is_no_bandmf_row():
     # 90 examples, 30 per step: 3 steps per epoch, so bands = 1 is the only candidate (<= 3 // 2)
     one = plan_dataset(90, 30, 4, EPSILON, DELTA, max_buffers=2, progress=False)
     rows = {r.name: r for r in one.rows}
-    band, sgd = rows["BandMF"], rows["DP-SGD Poisson"]
-    assert band.process.num_groups == 1 and band.state_bytes_per_parameter == 0
-    assert (band.noise_multiplier, band.epsilon) == (sgd.noise_multiplier, sgd.epsilon)
-    independent = _pld_epsilon(30 / 90, sgd.noise_multiplier, 12, interval=PLD_DISCRETIZATION)
+    assert "BandMF" not in rows and {"DP-SGD Poisson", "BLT", "DP-SGD bins"} <= set(rows)
+    sgd = rows["DP-SGD Poisson"]
+    interval = sgd.process.value_discretization_interval
+    independent = _pld_epsilon(30 / 90, sgd.noise_multiplier, 12, interval=interval)
     assert independent == pytest.approx(sgd.epsilon, rel=1e-9)
     assert EPSILON * (1 - 1e-3) <= independent <= EPSILON or _pld_epsilon(
-        30 / 90, sgd.noise_multiplier / (1 + 1e-4), 12, interval=PLD_DISCRETIZATION) > EPSILON
+        30 / 90, sgd.noise_multiplier / (1 + 1e-4), 12, interval=interval) > EPSILON
 
 
-def test_unamplified_dpsgd_is_the_composed_gaussian(plan):
-    row = {r.name: r for r in plan.rows}["DP-SGD unampl."]
-    # each example in one bin: EPOCHS participations, one Gaussian with sigma / sqrt(EPOCHS)
-    sigma_gaussian = dp_accounting.get_sigma_gaussian(EPSILON, DELTA)
-    assert row.noise_multiplier / math.sqrt(EPOCHS) == pytest.approx(sigma_gaussian, rel=1e-5)
-    assert "unamplified" in row.accounting
+def test_dpsgd_on_bins_is_priced_by_the_allocation_pld_or_ruled_out_by_a_true_lower_bound(plan):
+    row = {r.name: r for r in plan.rows}["DP-SGD bins"]
+    bins = NUM_EXAMPLES // BATCH_SIZE
+    allocation = lambda sigma: balls_in_bins(mf_gaussian(sigma, identity_strategy()), bins, N_STEPS,  # noqa: E731
+                                             method="allocation_pld")
+    if row.calibrated:
+        assert allocation(row.noise_multiplier).epsilon_at(DELTA) <= EPSILON
+    else:  # a lower bound: just below it the allocation PLD misses the budget, so the row could not win
+        assert allocation(0.995 * row.noise_multiplier).epsilon_at(DELTA) > EPSILON
+        assert row.rmse_max > min(r.rmse_max for r in plan.rows if r.chosen)
+    assert "random-allocation PLD" in row.accounting
 
 
 def test_cli_text_states_the_ratio_and_what_is_not_counted(plan, cli_shares_the_plan, capsys):
     assert main(["plan", "--num-examples", str(NUM_EXAMPLES), "--batch-size", str(BATCH_SIZE),
                  "--epochs", str(EPOCHS), "--epsilon", str(EPSILON)]) == 0
     out = capsys.readouterr().out
-    rows = {r.name: r for r in plan.rows}
-    ratio = rows["BLT"].rmse_max / rows["DP-SGD Poisson"].rmse_max          # BLT priced by the proven bound
-    assert f"{ratio:.2f}x the worst-step RMSE of Poisson DP-SGD" in out and "not proven for adaptive" in out
-    assert ("BLT wins here" if ratio < 1 else "Poisson DP-SGD wins here") in out
+    chosen = next(r for r in plan.rows if r.chosen)
+    assert f"make_private without a strategy takes {plan.choice.chosen.name}" in out
+    assert re.search(rf"  {re.escape(chosen.name)} .*<- make_private\n", out)
+    assert out.count("<- make_private") == 1 and "not proven for adaptively chosen gradients" in out
     assert "Poisson batch sizes is not counted" in out
-    assert "not in this table yet" not in out
     for name in NAMES:
         assert f"  {name} " in out
 
@@ -224,8 +241,8 @@ def test_cli_json_lists_every_row(plan, cli_shares_the_plan, capsys):
     assert [r["strategy"] for r in report["strategies"]] == NAMES
     assert report["dataset"]["n_steps"] == N_STEPS
     for entry, row in zip(report["strategies"], plan.rows):
-        assert entry["noise_multiplier"] == row.noise_multiplier
-        assert entry["epsilon"] == row.epsilon
+        assert entry["noise_multiplier"] == row.noise_multiplier and entry["chosen"] == row.chosen
+        assert entry["epsilon"] == (row.epsilon if row.calibrated else None)
         assert entry["sampling"] == row.sampling and entry["accounting"] == row.accounting
 
 

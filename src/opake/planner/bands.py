@@ -5,9 +5,7 @@ A run of ``num_examples`` examples, ``batch_size`` per step (expected) and ``epo
 bands spread the noise's correlation further but raise the sample rate b times and divide the
 compositions by b. ``cyclic_poisson_bands`` finds the count with the least prefix-sum error at a
 budget; ``band_candidates`` and ``refine_band_candidate`` expose the same calibrations for
-callers that rank candidates on another error (``opake.torch.choice``). The ``opake plan``
-command (``opake.plan``) and the PyTorch front end both build on this module; it imports
-neither.
+the choice, which ranks the candidates on the optimizer's workload (``opake.planner.choice``).
 """
 
 from __future__ import annotations
@@ -15,69 +13,21 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from opake._checks import integer_at_least
 from opake.accounting import calibrate_near, epsilon_budget
-from opake.dpftrl.accounting.gaussian import mf_gaussian
+from opake.dpftrl.accounting.factorized_gaussian import mf_gaussian
 from opake.dpftrl.accounting.poisson import banded_column_norm, noise_multiplier_guess, poisson
 from opake.dpftrl.strategies.band_mf import band_mf_strategy
 from opake.dpftrl.strategies.strategy import identity_strategy
 from opake.errors import InvalidArgumentError
+from opake.planner.constants import (CHOICE_DISCRETIZATION, CHOICE_RTOL, EPSILON_RTOL, PLD_DISCRETIZATION,
+                                     POISSON_SIGMA_RANGE, RTOL)
+from opake.planner.runs import DatasetRun
 from opake.progress import Progress, calibration_reporter
 
-__all__ = ["CHOICE_DISCRETIZATION", "PLD_DISCRETIZATION", "BandCandidate", "DatasetRun", "band_candidates",
-           "coarse_band_candidate", "cyclic_poisson_bands", "falling_log_slope", "refine_band_candidate"]
+__all__ = ["BandCandidate", "band_candidates", "coarse_band_candidate", "cyclic_poisson_bands", "falling_log_slope",
+           "prefix_rmse", "refine_band_candidate"]
 
 _ERRORS = ("max", "mean")
-
-# PLD grids. The pessimistic discretization rounds privacy losses up, so every grid gives an
-# upper bound; a coarser one is looser and faster. The rows are priced on PLD_DISCRETIZATION:
-# its epsilons exceed those of poisson()'s default grid (1e-4) by about 2e-4 relative at epsilon
-# 3 (sigma about 1e-4 higher), and each evaluation is about 8x faster (a million examples: 0.2 s
-# instead of 1.6 s for Poisson DP-SGD). The bands are *chosen* on CHOICE_DISCRETIZATION, another
-# 6x faster: its sigmas are 0.02% (many bands) to 3% (DP-SGD over 15,000 steps) higher, well
-# below the gaps between the candidates that compete (the chosen one is then priced on the row grid).
-PLD_DISCRETIZATION = 1e-3
-CHOICE_DISCRETIZATION = 1e-2
-_CHOICE_RTOL = 1e-3
-# Rows: a parameter within 0.01% of the smallest meeting the budget, or epsilon within 0.1% of the
-# target (calibrate_capped's defaults, with which make_private calibrates the amplified bound).
-_RTOL = 1e-4
-_EPSILON_RTOL = 1e-3
-_SIGMA_RANGE = (1e-2, 1e4)
-
-
-@dataclass(frozen=True)
-class DatasetRun:
-    """Training on ``num_examples`` examples, ``batch_size`` per step (expected), for ``epochs``.
-
-    Derived: ``num_bins = num_examples // batch_size`` steps per epoch (the balls-in-bins bins),
-    ``n_steps = epochs * num_bins``, ``sample_rate = batch_size / num_examples`` (Poisson DP-SGD).
-    """
-
-    num_examples: int
-    batch_size: int
-    epochs: int
-
-    def __post_init__(self):
-        for name in ("num_examples", "batch_size", "epochs"):
-            object.__setattr__(self, name, integer_at_least(name, getattr(self, name)))
-        if self.batch_size > self.num_examples:
-            raise InvalidArgumentError(
-                f"batch_size ({self.batch_size}) must be <= num_examples ({self.num_examples}): a step "
-                f"cannot use more examples than the data set holds; lower the batch size"
-            )
-
-    @property
-    def num_bins(self) -> int:
-        return self.num_examples // self.batch_size
-
-    @property
-    def n_steps(self) -> int:
-        return self.epochs * self.num_bins
-
-    @property
-    def sample_rate(self) -> float:
-        return self.batch_size / self.num_examples
 
 
 def cyclic_poisson_bands(
@@ -115,7 +65,7 @@ def cyclic_poisson_bands(
     run = DatasetRun(num_examples, batch_size, epochs)
     progress = Progress.of(progress)
     try:
-        return _best(_band_candidates(run, epsilon_budget(epsilon, delta), _check_error(error), progress))[0]
+        return _best(_band_candidates(run, epsilon_budget(epsilon, delta), check_error(error), progress))[0]
     finally:
         progress.close()
 
@@ -148,12 +98,12 @@ def band_candidates(
     progress: bool | Progress | None = None,
 ) -> tuple:
     """The candidates of ``cyclic_poisson_bands`` (same rule, same order) as ``BandCandidate`` rows,
-    for callers that rank them on another error (``opake.torch.choice``); ``max_bands`` stops the
+    for callers that rank them on another error (``opake.planner.choice``); ``max_bands`` stops the
     search there (a cap on the noise state, ``bands - 1`` floats per parameter)."""
     run = DatasetRun(num_examples, batch_size, epochs)
     progress = Progress.of(progress)
     try:
-        candidates = _band_candidates(run, epsilon_budget(epsilon, delta), _check_error(error), progress, max_bands)
+        candidates = _band_candidates(run, epsilon_budget(epsilon, delta), check_error(error), progress, max_bands)
     finally:
         progress.close()
     return tuple(
@@ -195,7 +145,7 @@ def _band_candidates(run: DatasetRun, budget, error: str, progress: Progress, ma
         # answer to guess corrects it, and the last candidate's local slope starts the search.
         correction, slope = sigma / guess, _local_slope(evaluated, budget.epsilon) or slope
         effective.append(sigma / norm)
-        rmse = _rmse(sigma, mech, error)
+        rmse = prefix_rmse(sigma, mech, error)
         candidates.append((bands, sigma, rmse, evaluated))
         if rmse > min(candidate[2] for candidate in candidates):
             break  # the error has turned upward: more bands only weaken the amplification further
@@ -235,8 +185,8 @@ def _coarse_calibration(run: DatasetRun, budget, bands: int, strategy, progress:
         result = calibrate_near(
             budget, lambda sigma: poisson(mf_gaussian(sigma, strategy), rate, run.n_steps,
                                           value_discretization_interval=CHOICE_DISCRETIZATION),
-            guess if start is None else start(guess, norm), *_SIGMA_RANGE, rtol=_CHOICE_RTOL,
-            epsilon_rtol=_CHOICE_RTOL, slope=slope,
+            guess if start is None else start(guess, norm), *POISSON_SIGMA_RANGE, rtol=CHOICE_RTOL,
+            epsilon_rtol=CHOICE_RTOL, slope=slope,
             on_evaluation=lambda sigma, epsilon: evaluated.append((sigma, epsilon)))
     return result.param, tuple(evaluated), mech, norm, guess
 
@@ -309,18 +259,18 @@ def _refined(budget, strategy, sample_rate: float, n_steps: int, coarse_sigma: f
         other = coarse_sigma * math.exp(-0.01)
         other_epsilon = on_grid(CHOICE_DISCRETIZATION)(other).epsilon_at(budget.delta)
     slope = falling_log_slope(other, other_epsilon, coarse_sigma, here)
-    return calibrate_near(budget, on_grid(PLD_DISCRETIZATION), coarse_sigma, *_SIGMA_RANGE, spread=1.1, rtol=_RTOL,
-                          epsilon_rtol=_EPSILON_RTOL, slope=slope,
+    return calibrate_near(budget, on_grid(PLD_DISCRETIZATION), coarse_sigma, *POISSON_SIGMA_RANGE, spread=1.1,
+                          rtol=RTOL, epsilon_rtol=EPSILON_RTOL, slope=slope,
                           on_evaluation=calibration_reporter(progress, budget.epsilon))
 
 
-def _rmse(sigma: float, mech, error: str) -> float:
+def prefix_rmse(sigma: float, mech, error: str) -> float:
     """sigma * sqrt(max_t e_t) (or the mean): the noise's prefix-sum RMSE, clip norm 1."""
     loss = mech.max_loss if error == "max" else mech.mean_loss
     return sigma * math.sqrt(loss) / mech.sensitivity
 
 
-def _check_error(error) -> str:
+def check_error(error) -> str:
     if error not in _ERRORS:
         raise InvalidArgumentError(f"error must be one of {_ERRORS} (the prefix-sum error to minimize), got {error!r}")
     return error

@@ -1,4 +1,4 @@
-"""opake.torch.choice: the mechanism with the least noise at a budget, among the proven ones.
+"""opake.planner.choice: the mechanism with the least noise at a budget, among the proven ones.
 
 The numbers the choice rests on, each against an independent reference: the workload errors
 (torch.optim.SGD itself stepping on unit impulses of the noise), the lower bound that rules out
@@ -22,8 +22,8 @@ from opake.dpftrl.accounting.allocation.lower_bound import delta_lower_bound, no
 from opake.dpftrl.noise import band_mf_strategy, blt_strategy, identity_strategy
 from opake.dpftrl.strategies.blt_workload import ParameterWorkload
 from opake.torch import choose_mechanism, make_private
-from opake.torch.choice import _plan_accountant
-from opake.torch.workload import Workload
+from opake.dpftrl.accounting.accountant import poisson_accountant, balls_in_bins_accountant
+from opake.planner import Workload
 from opake.random import key
 
 DELTA = 1e-5
@@ -117,8 +117,10 @@ def test_the_least_error_wins_and_its_noise_meets_the_budget_on_the_plans_accoun
     assert {c.name.split(",")[0] for c in choice.candidates} == {"DP-SGD", "BandMF", "BLT"}
     assert choice.chosen.error == min(c.error for c in choice.candidates)
     assert all(c.calibrated or c.error > choice.chosen.error for c in choice.candidates)
-    run = {"n_steps": 4 * 30, "num_bins": 30}
-    accountant = _plan_accountant(choice.chosen, type("Run", (), run)())
+    chosen = choice.chosen  # the accountant the plan builds, built here from the run's numbers
+    accountant = (poisson_accountant(chosen.strategy, 40 * chosen.strategy.bands / 1200, 4 * 30)
+                  if chosen.sampling == "poisson" else balls_in_bins_accountant(chosen.strategy, 30, 4 * 30))
+    assert accountant == choice.accountant
     assert 0.998 * 3.0 <= accountant(choice.noise_multiplier).epsilon_at(DELTA) == choice.epsilon <= 3.0
     assert accountant(0.99 * choice.noise_multiplier).epsilon_at(DELTA) > 3.0       # control: 1% less misses
 

@@ -1,14 +1,15 @@
 """Which mechanism a run with a privacy budget should use: the least noise among the proven ones.
 
 ``choose_mechanism(num_examples=, batch_size=, epochs=, target_epsilon=, target_delta=,
-optimizer=None, lr_scheduler=None, strategy=None, sampling=None)`` compares, at the budget
+recipe=None, strategy=None, sampling=None)`` compares, at the budget
 (add/remove adjacency, one unit = one example) and expected batch size ``batch_size``, the
 mechanisms whose accounting is proven for adaptively chosen gradients (docs/adaptivity.md):
 
 * **BLT** on balls-in-bins batches, priced without amplification (``"rigorous"``), the BLT
-  being ``strategy_for_optimizer``'s (optimized for what the optimizer does with the noise);
+  being ``recipe`` (the BLT optimized for what the optimizer does with the noise:
+  ``opake.torch.strategy_for_optimizer`` reads it from a torch optimizer; None: prefix sums);
 * **BandMF** with cyclic Poisson sampling (Band23 Thm 4, PLD), its band count from the rule of
-  ``opake.dpftrl.accounting.band_choice`` (2 or more bands);
+  ``opake.planner.bands`` (2 or more bands);
 * **DP-SGD, Poisson**: Poisson sampling at rate batch_size / num_examples, PLD (as Opacus runs it);
 * **DP-SGD, balls in bins**: the random-allocation PLD (``"allocation_pld"``).
 
@@ -16,7 +17,7 @@ The BLT's amplified bound is never a candidate (not proven for adaptive gradient
 
 Ranking. Each candidate's noise multiplier meets the budget on its own accountant; its error is
 sigma * sqrt(max_t e_t), e_t the squared norm of row t of W C^{-1} for the optimizer's workload
-W (``opake.torch.workload``: the noise in SGD's parameters for torch.optim.SGD with momentum or a
+W (``opake.planner.workload``: the noise in SGD's parameters for torch.optim.SGD with momentum or a
 schedule, the prefix sums of the noise otherwise), the standard deviation of the worst step's
 noise, before the division by the batch size that every candidate shares. The least error wins;
 ties go to the earlier candidate in the order above read from DP-SGD up (fewer noise buffers).
@@ -25,7 +26,7 @@ accuracy are not counted. The candidates the rule ranks, and the chosen one, are
 ``MechanismChoice.table()`` prints.
 
 Speed (a few seconds at 60,000 examples): the BLT's unamplified bound calibrates in
-milliseconds; the Poisson candidates are calibrated as ``opake plan`` does (``band_choice``) (the bands on a
+milliseconds; the Poisson candidates are calibrated as ``opake plan`` does (``opake.planner.bands``) (the bands on a
 coarse PLD grid, 1e-2; the winner refined on 1e-3, then on the plan's own grid, 1e-4, from
 there); DP-SGD on balls in bins is first bounded from below in microseconds
 (``allocation.lower_bound``: a test on the bins' sums shows the budget is missed below some
@@ -48,36 +49,28 @@ from dataclasses import dataclass, field
 
 import opake.accounting as acc
 from opake._checks import integer_at_least
-from opake.accounting.calibrate import calibrate_capped
 from opake.dpftrl.accounting import mf_gaussian, poisson
-from opake.dpftrl.accounting.accountant import balls_in_bins_accountant, poisson_accountant
+from opake.dpftrl.accounting.accountant import Accountant, balls_in_bins_accountant, poisson_accountant
 from opake.dpftrl.accounting.allocation.lower_bound import noise_multiplier_lower_bound
-from opake.dpftrl.accounting.band_choice import (PLD_DISCRETIZATION, BandCandidate, DatasetRun, band_candidates,
-                                                 coarse_band_candidate, falling_log_slope, refine_band_candidate)
 from opake.dpftrl.accounting.methods import AccountingMethod
 from opake.dpftrl.noise import blt_strategy, identity_strategy
+from opake.errors import PlanError
+from opake.planner.bands import (BandCandidate, band_candidates, coarse_band_candidate, falling_log_slope,
+                                 refine_band_candidate)
+from opake.planner.calibration import PoissonStart, calibrate_noise
+from opake.planner.constants import CHOICES_LIMIT, MAX_STATE_ROWS, PLD_DISCRETIZATION
+from opake.planner.runs import DatasetRun
+from opake.planner.workload import Workload, workload_of
 from opake.progress import Progress
-from opake.torch.planning import PlanError
-from opake.torch.workload import Workload, strategy_for_optimizer, workload_of
 
 __all__ = ["MAX_STATE_ROWS", "Candidate", "MechanismChoice", "choose_mechanism"]
 
-_SIGMA_RANGE = (1e-3, 1e4)   # make_private's calibration range for every sampling
 _SAMPLINGS = ("balls_in_bins", "poisson")
-# Choices by request (the run's size, the budget, the optimizer's workload recipe and the
-# restrictions): a choice is a pure function of these, and a second identical request (another
-# learning rate or seed of the same run) is answered at once. Bounded and process-wide, like the
-# calibrated noise multipliers of opake.torch.planning; the plan built from a cached choice prices
-# its noise multiplier again on its own accountant.
+# Choices by request (the run's size, the budget, the workload recipe and the restrictions): a
+# choice is a pure function of these, and a second identical request (another learning rate or
+# seed of the same run) is answered at once. Bounded and process-wide, like the calibrated noise
+# multipliers of opake.planner.calibration.
 _CHOICES: dict = {}
-_CHOICES_LIMIT = 64
-# The noise state a candidate may keep, in floats per model parameter: the BLT's own cap (max_buffers).
-# The band rule alone would take BandMF to hundreds of bands on large data sets (256 at 60,000
-# examples, epsilon 8), hundreds of copies of the model in memory for a few percent less noise.
-MAX_STATE_ROWS = 10
-# The final calibration on the plan's own PLD grid: epsilon within 0.1% of the target or sigma within
-# 0.01% of the smallest that meets it (make_private's tolerances for the amplified bounds).
-_RTOL, _EPSILON_RTOL = 1e-4, 1e-3
 
 
 @dataclass(frozen=True)
@@ -88,7 +81,10 @@ class Candidate:
     is False, is a lower bound on the one that would (the candidate was ruled out without its
     slow calibration); ``error`` is sigma * sqrt(max_t e_t) on the workload (module docstring);
     ``note`` says how the number was obtained. ``band_candidate`` keeps a Poisson candidate's
-    coarse calibration, from which the chosen one is refined.
+    coarse calibration, from which the chosen one is refined; ``accountant`` is the one the plan
+    builds for the candidate (the same strategy, horizon, sampling and method), on which the chosen
+    one's noise multiplier is calibrated; ``process`` prices ``noise_multiplier`` on it (None for a
+    coarse Poisson candidate, whose grid is not the plan's, and for a lower bound).
     """
 
     name: str
@@ -101,6 +97,8 @@ class Candidate:
     calibrated: bool = True
     sample_rate: float | None = None
     band_candidate: BandCandidate | None = field(default=None, repr=False, compare=False)
+    accountant: Accountant | None = field(default=None, repr=False, compare=False)
+    process: object = field(default=None, repr=False, compare=False)
 
     @property
     def description(self) -> str:
@@ -115,7 +113,8 @@ class MechanismChoice:
     """The chosen candidate, every candidate ranked, the workload they were ranked on, and why.
 
     ``epsilon`` is the chosen mechanism's at ``target_delta`` on the plan's own accountant (<=
-    ``target_epsilon``); ``seconds`` the time the choice took.
+    ``target_epsilon``), ``process`` the privacy process that prices it there (the plan takes both
+    as they are); ``seconds`` the time the choice took.
     """
 
     chosen: Candidate
@@ -125,6 +124,11 @@ class MechanismChoice:
     target_delta: float
     epsilon: float
     seconds: float
+    process: object = field(default=None, repr=False, compare=False)
+
+    @property
+    def accountant(self) -> Accountant:
+        return self.chosen.accountant
 
     @property
     def strategy(self):
@@ -174,11 +178,11 @@ def choose_mechanism(
     epochs: int,
     target_epsilon: float,
     target_delta: float,
-    optimizer=None,
-    lr_scheduler=None,
+    recipe=None,
     strategy=None,
     sampling: str | None = None,
     max_state_rows: int | None = MAX_STATE_ROWS,
+    refine_all: bool = False,
     progress: bool | None = None,
 ) -> MechanismChoice:
     """The mechanism with the least noise error at (target_epsilon, target_delta) (module docstring).
@@ -187,10 +191,13 @@ def choose_mechanism(
     per buffer, at most 10; BandMF with g bands keeps g - 1), so BandMF candidates above it are
     not tried; None lifts the cap.
 
-    ``optimizer`` and ``lr_scheduler`` (as for ``make_private``) set the workload and the BLT;
-    without them the workload is the prefix sums and the BLT the default recipe. ``strategy``
+    ``recipe`` is the BLT recipe of the optimizer's workload (``opake.torch.strategy_for_optimizer``;
+    None: the default recipe, whose workload is the prefix sums of the noise). ``strategy``
     (a recipe) and ``sampling`` ("balls_in_bins" or "poisson") restrict the candidates; a
     combination opake cannot price (Poisson with a BLT) raises ``ValueError`` saying what to use.
+    ``refine_all`` also prices the other Poisson candidates, calibrated on the comparison's PLD grid
+    (1e-3; the chosen one is on the plan's, 1e-4): what a table of every candidate shows (the choice
+    is the same).
     """
     started = time.perf_counter()
     run = DatasetRun(num_examples, batch_size, epochs)
@@ -200,8 +207,8 @@ def choose_mechanism(
     kinds = _kinds(strategy, sampling)
     if max_state_rows is not None:
         max_state_rows = integer_at_least("max_state_rows", max_state_rows, minimum=0)
-    recipe = blt_strategy() if optimizer is None else strategy_for_optimizer(optimizer, run.n_steps, lr_scheduler)
-    request = (run, budget, recipe, strategy, sampling, max_state_rows)
+    recipe = blt_strategy() if recipe is None else recipe
+    request = (run, budget, recipe, strategy, sampling, max_state_rows, bool(refine_all))
     try:
         known = _CHOICES.get(request)
     except TypeError:  # an unhashable recipe or strategy: choose every time
@@ -222,12 +229,16 @@ def choose_mechanism(
             refined = _on_the_plans_grid(chosen, run, budget, workload, progress)
             candidates = [refined if c is chosen else c for c in candidates]
             chosen = refined
-        epsilon = _plan_accountant(chosen, run)(chosen.noise_multiplier).epsilon_at(budget.delta)
+        if refine_all:
+            candidates = [_on_the_rows_grid(c, run, budget, workload, progress)
+                          if c.sampling == "poisson" and c is not chosen else c for c in candidates]
+        process = chosen.process
+        epsilon = process.epsilon_at(budget.delta)
     finally:
         progress.close()
     choice = MechanismChoice(chosen, tuple(candidates), workload, budget.epsilon, budget.delta, epsilon,
-                             time.perf_counter() - started)
-    if request is not None and len(_CHOICES) < _CHOICES_LIMIT:
+                             time.perf_counter() - started, process)
+    if request is not None and len(_CHOICES) < CHOICES_LIMIT:
         _CHOICES[request] = choice
     return choice
 
@@ -257,11 +268,12 @@ def _kinds(strategy, sampling) -> set:
 def _blt_candidate(run: DatasetRun, budget, workload, strategy, progress) -> Candidate:
     accountant = balls_in_bins_accountant(strategy, run.num_bins, run.n_steps, AccountingMethod.RIGOROUS)
     with progress.stage("BLT on balls in bins: resolving and calibrating (unamplified)"):
-        result = acc.calibrate(budget, accountant, *_SIGMA_RANGE)
+        result = calibrate_noise(accountant, budget)
     mechanism = result.process.mechanism
-    return Candidate("BLT", strategy, "balls_in_bins", AccountingMethod.RIGOROUS.value, result.param,
-                     workload.rmse(result.param, mechanism.inverse_coefficients(run.n_steps)),
-                     f"{mechanism.num_buffers} buffer(s), unamplified bound")
+    return Candidate("BLT", strategy, "balls_in_bins", AccountingMethod.RIGOROUS.value, result.sigma,
+                     workload.rmse(result.sigma, mechanism.inverse_coefficients(run.n_steps)),
+                     f"{mechanism.num_buffers} buffer(s), unamplified bound", accountant=accountant,
+                     process=result.process)
 
 
 def _poisson_candidates(run: DatasetRun, budget, workload, kinds, strategy, max_state_rows, progress) -> list:
@@ -280,13 +292,13 @@ def _poisson_candidates(run: DatasetRun, budget, workload, kinds, strategy, max_
     candidates = []
     if "poisson" in kinds:
         row, error = ranked[0]
-        candidates.append(_poisson_candidate("DP-SGD, Poisson", row, error, "coarse PLD grid (1e-2)"))
+        candidates.append(_poisson_candidate("DP-SGD, Poisson", row, error, "coarse PLD grid (1e-2)", run))
     banded = [(row, error) for row, error in ranked if row.bands > 1]
     if "bandmf" in kinds and banded:
         row, error = min(banded, key=lambda pair: pair[1])
         tried = ", ".join(str(r.bands) for r, _ in banded)
         candidates.append(_poisson_candidate(f"BandMF, {row.bands} bands", row, error,
-                                             f"bands tried: {tried}; coarse PLD grid (1e-2)"))
+                                             f"bands tried: {tried}; coarse PLD grid (1e-2)", run))
     return candidates
 
 
@@ -294,9 +306,10 @@ def _mechanism(row: BandCandidate, run: DatasetRun):
     return row.strategy.resolve(run.n_steps, row.bands, -(-run.n_steps // row.bands))
 
 
-def _poisson_candidate(name: str, row: BandCandidate, error: float, note: str) -> Candidate:
+def _poisson_candidate(name: str, row: BandCandidate, error: float, note: str, run: DatasetRun) -> Candidate:
     return Candidate(name, row.strategy, "poisson", AccountingMethod.POISSON_PLD.value, row.noise_multiplier,
-                     error, note, sample_rate=row.sample_rate, band_candidate=row)
+                     error, note, sample_rate=row.sample_rate, band_candidate=row,
+                     accountant=poisson_accountant(row.strategy, row.sample_rate, run.n_steps))
 
 
 def _bins_candidate(run: DatasetRun, budget, workload, best_error: float, progress) -> Candidate:
@@ -304,47 +317,56 @@ def _bins_candidate(run: DatasetRun, budget, workload, best_error: float, progre
     strategy = identity_strategy()
     name, method = "DP-SGD, balls in bins", AccountingMethod.ALLOCATION_PLD.value
     inverse = strategy.resolve(run.n_steps, run.num_bins, run.epochs).inverse_coefficients(run.n_steps)
+    accountant = balls_in_bins_accountant(strategy, run.num_bins, run.n_steps)
     low = noise_multiplier_lower_bound(run.num_bins, run.epochs, budget.epsilon, budget.delta)
     if workload.rmse(low, inverse) >= best_error:
         return Candidate(name, strategy, "balls_in_bins", method, low, workload.rmse(low, inverse),
                          "PLD not calibrated: a test on the bins' sums misses the budget below this noise "
-                         "multiplier, so it cannot beat the least error above", calibrated=False)
-    accountant = balls_in_bins_accountant(strategy, run.num_bins, run.n_steps)
-    unamplified = accountant.unamplified()
+                         "multiplier, so it cannot beat the least error above", calibrated=False,
+                         accountant=accountant)
     with progress.stage("DP-SGD on balls in bins: calibrating the random-allocation PLD"):
-        cap = acc.calibrate(budget, unamplified, *_SIGMA_RANGE)
-        result = calibrate_capped(budget, accountant, unamplified, *_SIGMA_RANGE, cap=cap)
-    return Candidate(name, strategy, "balls_in_bins", method, result.param, workload.rmse(result.param, inverse),
-                     f"random-allocation PLD ({result.num_evaluations} evaluation(s))")
+        result = calibrate_noise(accountant, budget)
+    return Candidate(name, strategy, "balls_in_bins", method, result.sigma, workload.rmse(result.sigma, inverse),
+                     f"random-allocation PLD ({result.evaluations} evaluation(s))", accountant=accountant,
+                     process=result.process)
 
 
 # -- the chosen one on the plan's own accountant -----------------------------------------------
 
-def _plan_accountant(candidate: Candidate, run: DatasetRun):
-    """The accountant ``make_private`` builds for this candidate (same strategy, horizon and rate)."""
-    if candidate.sampling == "poisson":
-        return poisson_accountant(candidate.strategy, candidate.sample_rate, run.n_steps)
-    return balls_in_bins_accountant(candidate.strategy, run.num_bins, run.n_steps, candidate.accounting)
-
-
 def _on_the_plans_grid(candidate: Candidate, run: DatasetRun, budget, workload, progress) -> Candidate:
-    """A Poisson candidate's noise multiplier on the rows' grid (1e-3, as ``opake.plan``'s rows),
+    """A Poisson candidate's noise multiplier on the rows' grid (1e-3, as the comparison's rows),
     then on the plan's own (``poisson``'s default, 1e-4) from there, along the 1e-3 grid's slope:
     one to three evaluations where a calibration from scratch takes about ten."""
     refined = refine_band_candidate(candidate.band_candidate, run.n_steps, budget.epsilon, budget.delta,
                                     progress=progress)
-    evaluations = []
     with progress.stage(f"{candidate.name}: calibrating on the plan's PLD grid"):
-        result = acc.calibrate_near(budget, _plan_accountant(candidate, run), refined.param, *_SIGMA_RANGE,
-                                    spread=1.1, rtol=_RTOL, epsilon_rtol=_EPSILON_RTOL,
-                                    slope=_slope(candidate, refined, run, budget),
-                                    on_evaluation=lambda s, e: evaluations.append((s, e)))
+        result = calibrate_noise(candidate.accountant, budget,
+                                 start=PoissonStart(refined.param, _slope(candidate, refined, run, budget)))
+    mechanism = result.process.mechanism
+    return Candidate(candidate.name, candidate.strategy, "poisson", candidate.accounting, result.sigma,
+                     workload.rmse(result.sigma, mechanism.inverse_coefficients(run.n_steps)),
+                     _tried(candidate) + f"PLD on the plan's grid (1e-4), {result.evaluations} evaluation(s) from the "
+                     f"1e-3 grid's {refined.param:.5g}", sample_rate=candidate.sample_rate,
+                     band_candidate=candidate.band_candidate, accountant=candidate.accountant,
+                     process=result.process)
+
+
+def _on_the_rows_grid(candidate: Candidate, run: DatasetRun, budget, workload, progress) -> Candidate:
+    """A Poisson candidate calibrated on the comparison's grid (1e-3): 1 to 3 evaluations from its
+    coarse calibration, an exact upper bound at its noise multiplier, with its process."""
+    result = refine_band_candidate(candidate.band_candidate, run.n_steps, budget.epsilon, budget.delta,
+                                   progress=progress)
     mechanism = result.process.mechanism
     return Candidate(candidate.name, candidate.strategy, "poisson", candidate.accounting, result.param,
                      workload.rmse(result.param, mechanism.inverse_coefficients(run.n_steps)),
-                     f"PLD on the plan's grid (1e-4), {len(evaluations)} evaluation(s) from the 1e-3 grid's "
-                     f"{refined.param:.5g}", sample_rate=candidate.sample_rate,
-                     band_candidate=candidate.band_candidate)
+                     _tried(candidate) + "PLD on the comparison's grid (1e-3)", sample_rate=candidate.sample_rate,
+                     band_candidate=candidate.band_candidate, accountant=candidate.accountant,
+                     process=result.process)
+
+
+def _tried(candidate: Candidate) -> str:
+    """The coarse note's "bands tried: ...; " (a BandMF candidate's), kept when it is refined."""
+    return candidate.note[: candidate.note.index("coarse PLD grid")] if "bands tried" in candidate.note else ""
 
 
 def _slope(candidate: Candidate, refined, run: DatasetRun, budget) -> float | None:
