@@ -157,6 +157,14 @@ def _plan_dataset(args) -> int:
                                  "accounting": choice.accounting, "noise_multiplier": choice.noise_multiplier,
                                  "epsilon": choice.epsilon, "reason": choice.reason},
     }
+    if args.batch_advice:
+        advice = choice.batch_advice(run.num_examples)
+        report["batch_advice"] = {
+            "mechanism": advice.mechanism,
+            "settings": [{"batch_size": s.batch_size, "epochs": s.epochs, "n_steps": s.n_steps,
+                          "noise_multiplier": s.noise_multiplier, "error": s.error,
+                          "noise_per_example": s.noise_per_example} for s in advice.settings],
+            "best": {"batch_size": advice.best.batch_size, "epochs": advice.best.epochs}}
     if _write_plot_or_json(plan, report, args):
         return 0
     print(f"Run: {run.num_examples} examples, batch size {run.batch_size}, {run.epochs} epochs = "
@@ -179,6 +187,8 @@ def _plan_dataset(args) -> int:
           f"sums (plain SGD, Adam-type optimizers; make_private ranks torch SGD with momentum or a schedule on "
           f"its own workload). The amplified BLT row is for reference: its bound is not proven for adaptively "
           f"chosen gradients. Planned in {seconds:.1f} s.")
+    if args.batch_advice:
+        print("\n" + advice.table())
     if args.plot:
         print(f"Plot written to {args.plot}")
     return 0
@@ -240,6 +250,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--delta", type=float, default=1e-5)
     plan.add_argument("--max-buffers", type=int, default=10)
     plan.add_argument("--error", choices=("max", "mean"), default="max")
+    plan.add_argument("--batch-advice", action="store_true",
+                      help="data set plan: the chosen mechanism at other batch sizes and epochs, ranked by noise "
+                           "per example processed (seconds more)")
     plan.add_argument("--json", action="store_true", help="print one JSON object")
     plan.add_argument("--plot", metavar="FILE.png", help="draw coefficients and per-step error (matplotlib)")
     plan.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,

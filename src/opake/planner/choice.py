@@ -155,6 +155,13 @@ class MechanismChoice:
                 f"{self.target_epsilon:g}, delta {self.target_delta:g} on the {self.workload.description}: "
                 f"worst-step noise {self.chosen.error:.4g}" + (f", against {against}" if against else ""))
 
+    def batch_advice(self, num_examples: int):
+        """The chosen mechanism at other batch sizes and epochs, ranked by noise per example
+        processed (``opake.planner.batch_advice``; seconds: one calibration per setting)."""
+        from opake.planner.batch_advice import batch_advice  # it calibrates with this module's pieces
+
+        return batch_advice(self, num_examples)
+
     def table(self) -> str:
         """The comparison, one candidate a line, the chosen one marked."""
         lines = [f"{'mechanism':<22} {'sampling / accounting':<34} {'noise mult.':>11} {'error':>10}  note"]
