@@ -3,7 +3,8 @@
 Replicated (Trainer's DDP wrap kept from synchronizing gradients) and FSDP (``fsdp=True``, or
 accelerate launch's FSDP environment: the model sharded with fully_shard by DPTrainer before
 planning) train what one process trains with the same key: the same epsilon and steps,
-parameters within float summation order. Each rank
+parameters within float summation order (1e-5 relative; the model has no dropout: with dropout each
+process draws the masks of its own rows, and no tolerance holds, docs/transformers.md). Each rank
 saves its own part of the noise state in every checkpoint, and a run resumed from them with the
 explicit replay choice ends on the uninterrupted run's parameters.
 """

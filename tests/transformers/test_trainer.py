@@ -304,6 +304,30 @@ def test_a_run_stopped_by_a_callback_warns_with_what_was_spent(tmp_path):
         complete.train()
 
 
+def test_max_steps_plans_the_epochs_it_reaches_and_stops_inside_the_last(tmp_path):
+    """max_steps=7 with 5 steps an epoch: a plan of 2 epochs, 7 steps taken, no ShortRunWarning, the
+    last log's epsilon the spent one (below the plan's). Trainer's SGD schedule decays over the 7 steps
+    (linear, to 0 after them): the plan's BLT reads those rates and holds the last over the 3 planned
+    steps that never run (a rate of 0 would be refused by the workload)."""
+    from opake.torch import ShortRunWarning
+    from opake.torch.loader import PlanExhaustedError
+
+    trainer = dp_trainer(gpt2(), arguments(tmp_path, max_steps=7, optim="sgd", logging_steps=1),
+                         CharDataset(sentences(40)))
+    plan = trainer.private.plan
+    assert plan.n_steps == 10 and plan.steps_per_epoch == 5 and plan.request.epochs == 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ShortRunWarning)
+        result = trainer.train()
+    assert trainer.private.steps_taken == trainer.state.global_step == 7
+    rates = [entry["learning_rate"] for entry in trainer.state.log_history if "learning_rate" in entry]
+    assert plan.strategy.lr_schedule == pytest.approx(tuple(rates) + (rates[-1],) * 3)
+    assert result.metrics["epsilon"] == trainer.state.log_history[-1]["epsilon"] == trainer.private.epsilon_spent()
+    assert 0 < trainer.private.epsilon_spent() < plan.epsilon
+    with pytest.raises(PlanExhaustedError, match="taken 7 of its 10 steps"):  # the rest is no second run
+        trainer.train()
+
+
 def test_logs_carry_epsilon_and_noise_multiplier_and_no_gradient_norm(tmp_path):
     trainer = dp_trainer(gpt2(), arguments(tmp_path, num_train_epochs=1), CharDataset(sentences(32)),
                          noise_multiplier=None, target_epsilon=4.0)
@@ -400,6 +424,6 @@ def test_trainer_arguments_without_a_private_meaning_are_refused(tmp_path):
 
 def test_refused_arguments_leave_the_model_unhooked(tmp_path):
     model = gpt2()
-    with pytest.raises(UnsupportedTrainingArgumentError, match="max_steps=5"):
-        dp_trainer(model, arguments(tmp_path, max_steps=5), CharDataset(sentences(16)))
+    with pytest.raises(UnsupportedTrainingArgumentError, match="data_seed=5"):
+        dp_trainer(model, arguments(tmp_path, data_seed=5), CharDataset(sentences(16)))
     dp_trainer(model, arguments(tmp_path), CharDataset(sentences(16)))  # make_private accepts it: no hooks yet

@@ -53,6 +53,10 @@ def _whole_positive(value) -> bool:
             and value >= 1 and float(value).is_integer())
 
 
+def _integer(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def _positive_finite(value) -> bool:
     return (isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
             and value > 0)
@@ -151,10 +155,13 @@ ARGUMENT_RULES: tuple[ArgumentRule, ...] = (
           lambda v: isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= 1, "an integer >= 1"),
     _rule("num_train_epochs", "map",
           "make_private(epochs=): the plan has epochs x (len(train_dataset) // batch size) steps, and the "
-          "accountant prices each example's participation in every epoch", _whole_positive, "a whole number >= 1"),
-    _rule("max_steps", "refuse",
-          "a private run is planned in whole epochs (the accountant prices every example's participation in "
-          "each); set num_train_epochs", lambda v: v <= 0, "<= 0 (the default -1)"),
+          "accountant prices each example's participation in every epoch (not read when max_steps > 0)",
+          _whole_positive, "a whole number >= 1"),
+    _rule("max_steps", "map",
+          "> 0: the run's horizon in steps, as in Trainer (it overrides num_train_epochs): the plan covers "
+          "ceil(max_steps / steps per epoch) epochs, the run stops after max_steps steps (the last epoch "
+          "partial), and the logged epsilon is what the accountant proves for exactly the steps run "
+          "(private.epsilon_spent()); <= 0: num_train_epochs decides", _integer, "an integer"),
     _rule("max_grad_norm", "map",
           "the per-example clipping norm C (make_private(max_grad_norm=); with DPTrainer(clipping='automatic') "
           "the bound of automatic clipping); Trainer's own clipping of the "

@@ -35,9 +35,14 @@ and the training set, so the plan (and epsilon) exists before ``train()``. Then:
 * **Clipping.** ``args.max_grad_norm`` is the per-example clipping norm; Trainer's own clipping of
   the summed ``.grad`` and its ``grad_norm`` log (the norm of the unclipped, un-noised gradient,
   a release the accountant never priced) are turned off.
+* **Steps.** The plan has ``num_train_epochs`` epochs; with ``max_steps > 0`` (Trainer's horizon in
+  steps) the epochs those steps reach, ``ceil(max_steps / steps_per_epoch)``, and Trainer stops after
+  ``max_steps``, inside the last epoch: the steps run are a prefix of the plan, priced as one
+  (``private.epsilon_spent()``).
 * **Logs.** Every log carries ``epsilon`` (spent by the steps taken so far,
   ``private.epsilon_spent()``), ``epsilon_planned`` (the whole planned run's guarantee), ``delta``
-  and ``noise_multiplier``.
+  and ``noise_multiplier``, also in the metrics ``train()`` and ``evaluate()`` return. Evaluation
+  runs on a fork of torch's random generators, so that it never shifts training's dropout masks.
 * **Checkpoints.** Each checkpoint folder gets ``opake_private.pt`` (``private.state_dict()``:
   model, optimizer, noise state, step, key; and the SHA-256 of every file Trainer wrote there),
   written atomically after Trainer's files and before Trainer rotates old checkpoints away, so a
@@ -67,7 +72,8 @@ from transformers.trainer_callback import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints, seed_worker
 from transformers.utils import is_datasets_available
 
-from opake.errors import InvalidTypeError
+from opake.dpftrl.sampling import steps_per_epoch_of
+from opake.errors import InvalidStateError, InvalidTypeError
 from opake.random import RngKey
 from opake.torch import PrivacySpec, make_private
 from opake.torch.checkpoint import CheckpointError, whole_digest
@@ -176,7 +182,8 @@ class PrivateTrainerMixin:
     is exactly that; TRL's trainers take it the same way). It takes the parent trainer's
     arguments unchanged, plus the privacy settings, keyword-only (``DPTrainer`` lists them) or as
     the fields of ``args`` (``DPTrainingArguments``, ``opake.transformers.training_arguments``),
-    which it makes into one ``PrivacySpec`` with the batch size and epochs of ``args``, and works
+    which it makes into one ``PrivacySpec`` with the batch size and epochs of ``args`` (or those its
+    ``max_steps`` reaches), and works
     through Trainer's public seams (``get_train_dataloader``, ``get_batch_samples``,
     ``training_step``, ``compute_loss``, ``log``, ``train``, callbacks) and one private method,
     ``_save_checkpoint`` (TRL's trainers override it too): the only place where a file can join
@@ -244,6 +251,10 @@ class PrivateTrainerMixin:
         request = PrivacySpec(batch_size=batch_size, epochs=int(run_args.num_train_epochs),
                               max_grad_norm=run_args.max_grad_norm, privacy_unit=privacy_unit, **settings)
         dataset, collate = self._planned_dataset_and_collator(self.train_dataset)
+        # max_steps > 0: the plan covers the epochs the steps reach; training stops after max_steps
+        self._max_steps = int(run_args.max_steps) if run_args.max_steps > 0 else None
+        if self._max_steps is not None:
+            request = dataclasses.replace(request, epochs=_epochs_reaching(self._max_steps, request, len(dataset)))
         optimizer = self.create_optimizer()  # Trainer's (or the one passed in optimizers=)
         # The scheduler passed in optimizers=, or the one Trainer will build for the plan's length.
         lr_scheduler = self.lr_scheduler or _TrainerSchedule(self.args)
@@ -255,6 +266,11 @@ class PrivateTrainerMixin:
         self._key_given = key is not None
         self.private = make_private(**self._plan_arguments, key=key)
         self.optimizer = self.private.optimizer
+        if self._max_steps is not None and self._max_steps > self.private.plan.n_steps:
+            raise InvalidStateError(  # the planner's epoch differs from steps_per_epoch_of's: a bug, not the user's
+                f"the plan has {self.private.plan.n_steps} steps, fewer than max_steps={self._max_steps}: planned "
+                f"{request.epochs} epoch(s) of {self.private.plan.steps_per_epoch} steps. Pass num_train_epochs "
+                f"instead of max_steps, and report this")
         self._resumed_from = None  # the checkpoint folder train() resumes from, until its loader exists
         self.add_callback(_EpochOfPlan(self.private.plan.steps_per_epoch))
         self._sharded_scheduler = _ShardedScheduler()
@@ -378,9 +394,20 @@ class PrivateTrainerMixin:
         """
         return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=None)
 
+    def evaluate(self, *args, **kwargs):
+        """Trainer's ``evaluate``, on a fork of torch's random generators: its DataLoader draws a seed
+        from the global generator, which would shift every later dropout mask of training, so that a
+        run evaluated every N steps would train another model than the same run without evaluation."""
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+        with torch.random.fork_rng(devices=devices):
+            return super().evaluate(*args, **kwargs)
+
     def log(self, logs: dict, start_time: float | None = None) -> None:
-        """Trainer's log with the guarantee so far (``epsilon``), the planned one, ``delta`` and sigma."""
-        logs = {name: value for name, value in logs.items() if name != "grad_norm"}
+        """Trainer's log with the guarantee so far (``epsilon``), the planned one, ``delta`` and sigma
+        (added to ``logs`` itself, without Trainer's ``grad_norm``)."""
+        # In place: Trainer returns the dict it logged at the end of train() (TrainOutput.metrics) and of
+        # evaluate(), so a script's log_metrics("train", metrics) and save_metrics show the epsilon too.
+        logs.pop("grad_norm", None)
         logs.update(epsilon=self.private.epsilon_spent(), epsilon_planned=self.private.plan.epsilon,
                     delta=self.private.delta, noise_multiplier=self.private.noise_multiplier)
         super().log(logs, start_time)
@@ -501,8 +528,9 @@ class PrivateTrainerMixin:
             self._resume_private_run(folder, draws, fresh_key)
             self._resumed_from = folder
         result = super().train(resume_from_checkpoint=folder, ignore_keys_for_eval=ignore_keys_for_eval)
-        # Trainer runs the whole plan (max_steps is refused); fewer steps mean a callback stopped it.
-        warn_if_short(self.private, f"{type(self).__name__}.train() returned early")
+        # Trainer runs the whole plan, or max_steps of it; fewer steps mean a callback stopped it.
+        if self._max_steps is None or self.private.steps_taken < self._max_steps:
+            warn_if_short(self.private, f"{type(self).__name__}.train() returned early")
         return result
 
     def _checkpoint_to_resume(self, requested) -> str | None:
@@ -692,6 +720,16 @@ class DPTrainer(PrivateTrainerMixin, transformers.Trainer):
                          preprocess_logits_for_metrics=preprocess_logits_for_metrics, **privacy)
 
 
+def _epochs_reaching(max_steps: int, request: PrivacySpec, num_examples: int) -> int:
+    """The whole epochs a run of ``max_steps`` steps reaches: ``ceil(max_steps / steps per epoch)``,
+    an epoch being ``units // batch_size`` steps (units: the examples, or the users of
+    ``privacy_unit``), as the planner counts it."""
+    units = request.units
+    steps_per_epoch = steps_per_epoch_of(num_examples if units is None else units.num_units, request.batch_size,
+                                         users=units is not None)
+    return -(-max_steps // steps_per_epoch)
+
+
 class _WorkerSeed:
     """Trainer's ``seed_worker`` for the planned loader's workers (a picklable callable)."""
 
@@ -772,7 +810,26 @@ class _TrainerSchedule:
         self.args = args
 
     def __call__(self, optimizer, n_steps: int):
-        return transformers.get_scheduler(self.args.lr_scheduler_type, optimizer=optimizer,
-                                          num_warmup_steps=self.args.get_warmup_steps(n_steps),
-                                          num_training_steps=n_steps,
-                                          scheduler_specific_kwargs=self.args.lr_scheduler_kwargs)
+        max_steps = int(self.args.max_steps)
+        horizon = max_steps if max_steps > 0 else n_steps  # Trainer builds its scheduler for max_steps
+        scheduler = transformers.get_scheduler(self.args.lr_scheduler_type, optimizer=optimizer,
+                                               num_warmup_steps=self.args.get_warmup_steps(horizon),
+                                               num_training_steps=horizon,
+                                               scheduler_specific_kwargs=self.args.lr_scheduler_kwargs)
+        return _HeldAfter(scheduler, horizon) if horizon < n_steps else scheduler
+
+
+class _HeldAfter:
+    """A scheduler that steps ``scheduler`` through ``steps`` steps and then holds its last rate:
+    the plan of a ``max_steps`` run covers whole epochs, and its steps after ``max_steps`` (which
+    never run) need a rate for the strategy's workload, where Trainer's schedule has reached 0."""
+
+    def __init__(self, scheduler, steps: int):
+        self.scheduler = scheduler
+        self.steps = steps
+        self.taken = 0
+
+    def step(self) -> None:
+        self.taken += 1
+        if self.taken < self.steps:
+            self.scheduler.step()

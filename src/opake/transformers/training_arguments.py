@@ -9,7 +9,8 @@ configs with the same fields, from the same mixin.
 
 A trainer (``DPTrainer``, ``DPSFTTrainer``, ``DPDPOTrainer``) makes one ``PrivacySpec`` of them
 and of the TrainingArguments fields the plan reads (``per_device_train_batch_size x
-gradient_accumulation_steps x world_size`` the batch size, ``num_train_epochs`` the epochs,
+gradient_accumulation_steps x world_size`` the batch size, ``num_train_epochs`` the epochs (with
+``max_steps > 0``, the epochs those steps reach),
 ``max_grad_norm`` the clipping bound); ``privacy_seed`` becomes the key
 (``opake.random.key(seed)``). ``noise_correction`` goes to the optimizer, not into the request:
 it is post-processing and changes no privacy figure. The same settings may be given as the

@@ -68,7 +68,10 @@ SFT_ROWS: tuple[ArgumentRule, ...] = (
     _rule("packing", "refuse",
           "packing puts several examples in one row (and 'bfd_split' or 'wrapped' one example across rows): the "
           "plan samples rows, so one row's clipped gradient would hold several examples, and one example could "
-          "reach several rows; pack nothing, and keep max_length for memory", lambda v: not v, "False",
+          "reach several rows; which examples share a row is decided over the whole data set (best-fit "
+          "decreasing by length, or one concatenated stream), so adding one example re-packs others. Clipping "
+          "each example inside a packed row would need gradients per segment of a row, which the per-example "
+          "hooks do not form; pack nothing, and keep max_length for memory", lambda v: not v, "False",
           SFT_CONFIG),
     _rule("packing_strategy", "ignore", "used only with packing, refused", where=SFT_CONFIG),
     _rule("padding_free", "refuse", _PADDING_FREE, lambda v: not v, "False", SFT_CONFIG),
