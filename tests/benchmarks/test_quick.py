@@ -24,7 +24,8 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 BENCHMARKS = ROOT / "benchmarks"
-OWN_TEST = {"opacus_epsilon.py": "tests/benchmarks/test_opacus_epsilon.py"}
+OWN_TEST = {"opacus_epsilon.py": "tests/benchmarks/test_opacus_epsilon.py",
+            "quality_regime.py": "tests/benchmarks/test_quality_regime.py"}
 # A line each script's table prints (its header), and the quick run's rough cost, longest first.
 TABLES = {
     "quality.py": "test loss mean +- std",
