@@ -197,3 +197,49 @@ def test_a_repeated_request_is_answered_from_the_cache_with_the_same_plan():
     plans = [plan_privacy(max_grad_norm=1.0, key=key(0), **request()) for _ in range(2)]
     assert plans[0].choice is plans[1].choice
     assert (plans[0].noise_multiplier, plans[0].epsilon) == (plans[1].noise_multiplier, plans[1].epsilon)
+
+
+# --- the learning rate's scale (issue 37: a rate tuned for one mechanism serves the chosen one) ------
+
+def _dense_max_row_norm(mechanism, n):
+    """max_t ||row t of C^{-1}||, C the dense lower-triangular Toeplitz matrix of the mechanism."""
+    coefficients = np.asarray(mechanism.toeplitz_coefficients(n), dtype=np.float64)
+    dense = np.zeros((n, n))
+    for lag in range(n):
+        dense += np.diag(np.full(n - lag, coefficients[lag]), -lag)
+    inverse = np.linalg.inv(dense)
+    return float(np.sqrt((inverse ** 2).sum(axis=1)).max())
+
+
+def test_one_steps_noise_is_sigma_times_the_largest_row_of_the_dense_inverse():
+    choice = choose_mechanism(num_examples=600, batch_size=20, epochs=3, target_epsilon=8.0, target_delta=DELTA,
+                              progress=False)
+    for candidate in choice.candidates:
+        n = candidate.accountant.n_steps
+        min_sep = candidate.strategy.bands if candidate.sampling == "poisson" else candidate.accountant.num_bins
+        mechanism = candidate.strategy.resolve(n, min_sep, -(-n // min_sep))
+        expected = candidate.noise_multiplier * _dense_max_row_norm(mechanism, n)
+        assert candidate.step_noise == pytest.approx(expected, rel=1e-9), candidate.name
+    dpsgd = next(c for c in choice.candidates if c.name == "DP-SGD, Poisson")
+    assert dpsgd.step_noise == pytest.approx(dpsgd.noise_multiplier, rel=1e-12)  # the identity: sigma itself
+    assert choice.adam_rate_scale == pytest.approx(choice.chosen.step_noise / dpsgd.step_noise, rel=1e-12)
+    if choice.chosen is not dpsgd:
+        assert "a rate tuned with DP-SGD goes x" in choice.table()
+
+
+def test_adams_signal_step_follows_lr_over_the_noise_so_the_scaled_rate_carries_over():
+    # What the scale rests on, checked on torch's Adam itself: with a gradient g under noise of
+    # standard deviation s >> g, the parameter drifts by about lr * g / s a step. Scaling lr with s
+    # keeps the drift; keeping lr divides it by the ratio of the noises (the control).
+    def drift(noise_std, lr, steps=4000, signal=0.05):
+        generator = torch.Generator().manual_seed(0)
+        weight = torch.zeros(256, requires_grad=True)
+        adam = torch.optim.Adam([weight], lr=lr)
+        for _ in range(steps):
+            weight.grad = signal + noise_std * torch.randn(256, generator=generator)
+            adam.step()
+        return float(-weight.detach().mean()) / steps
+
+    small, large = drift(1.0, 1e-3), drift(6.0, 6e-3)
+    assert large == pytest.approx(small, rel=0.15)
+    assert drift(6.0, 1e-3) < 0.3 * small

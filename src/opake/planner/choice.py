@@ -47,6 +47,8 @@ import math
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
+
 import opake.accounting as acc
 from opake._checks import integer_at_least
 from opake.dpftrl.accounting import mf_gaussian, poisson
@@ -101,6 +103,17 @@ class Candidate:
     process: object = field(default=None, repr=False, compare=False)
 
     @property
+    def step_noise(self) -> float:
+        """The standard deviation of one step's noise, sigma * max_t ||row t of C^{-1}|| (clip norm 1,
+        before the division by the batch size): what an Adam-type optimizer's denominator follows
+        when the noise dominates the gradient, so the scale its learning rate is tuned to."""
+        n = self.accountant.n_steps
+        min_sep = int(getattr(self.strategy, "bands", 1)) if self.sampling == "poisson" else self.accountant.num_bins
+        mechanism = self.strategy.resolve(n, min_sep, -(-n // min_sep))
+        inverse = np.asarray(mechanism.inverse_coefficients(n), dtype=np.float64)
+        return float(self.noise_multiplier * math.sqrt(float(np.dot(inverse, inverse))))
+
+    @property
     def description(self) -> str:
         if self.sampling == "poisson":
             return f"Poisson, rate {self.sample_rate:.4g}, PLD"
@@ -147,6 +160,19 @@ class MechanismChoice:
         return self.chosen.noise_multiplier
 
     @property
+    def adam_rate_scale(self) -> float | None:
+        """How much larger a learning rate of Adam-type optimizers is here than with DP-SGD (Poisson)
+        at the same budget: the ratio of one step's noise standard deviation (``Candidate.step_noise``).
+        With the noise dominating the gradient, Adam's update is about lr * m / sqrt(v) with sqrt(v)
+        near that standard deviation, so a rate tuned with DP-SGD goes times this to the chosen
+        mechanism (and divided by it back). None without a DP-SGD Poisson candidate. Plain SGD's
+        update does not divide by the noise: its rate carries over as it is."""
+        reference = next((c for c in self.candidates if c.name == "DP-SGD, Poisson"), None)
+        if reference is None:
+            return None
+        return self.chosen.step_noise / reference.step_noise
+
+    @property
     def reason(self) -> str:
         """One sentence: what won, on which error, against what."""
         others = [c for c in self.candidates if c is not self.chosen]
@@ -172,6 +198,11 @@ class MechanismChoice:
         lines.append(f"error: the worst step's noise standard deviation on the {self.workload.description} "
                      f"(clip norm 1, before dividing by the batch size); chosen: epsilon {self.epsilon:.6g} <= "
                      f"{self.target_epsilon:g} at delta {self.target_delta:g}, in {self.seconds:.2f} s")
+        scale = self.adam_rate_scale
+        if scale is not None and self.chosen.name != "DP-SGD, Poisson":
+            lines.append(f"learning rate: one step's noise has standard deviation {self.chosen.step_noise:.4g} here, "
+                         f"against DP-SGD's {self.chosen.step_noise / scale:.4g}; Adam-type optimizers divide by it, so "
+                         f"a rate tuned with DP-SGD goes x{scale:.3g} (plain SGD's rate carries over as it is)")
         return "\n".join(lines)
 
     def __str__(self) -> str:
