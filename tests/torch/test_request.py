@@ -200,3 +200,24 @@ def test_the_opacus_engine_builds_the_request_of_its_arguments():
     assert engine.private.plan.request == PrivacySpec(batch_size=5, epochs=2, max_grad_norm=1.0, noise_multiplier=1.1,
                                                       target_delta=1e-5, strategy=identity_strategy(),
                                                       sampling="poisson")
+
+
+def test_a_horizon_in_steps_is_planned_exactly_and_calibrated_for_those_steps():
+    """steps=27 with 20 steps an epoch: 27 planned steps (the second epoch cut after 7), the noise
+    calibrated to the budget for them; the loader stops there. Control: 27 steps of the 2-epoch plan
+    spend less than the target, with more noise."""
+    import opake.random
+    from opake.dpftrl.noise import blt_strategy
+    from opake.torch import plan_privacy
+
+    settings = dict(num_examples=400, batch_size=20, max_grad_norm=1.0, key=opake.random.key(0),
+                    target_epsilon=4.0, target_delta=1e-5, strategy=blt_strategy())
+    cut = plan_privacy(steps=27, **settings)
+    whole = plan_privacy(epochs=2, **settings)
+    assert (cut.n_steps, cut.epochs, cut.steps_per_epoch) == (27, 2, 20)
+    assert cut.participation.max_participations == 2 and cut.participation.min_sep == 20
+    assert 4.0 * (1 - 1e-3) <= cut.epsilon <= 4.0 and cut.noise_multiplier < whole.noise_multiplier
+    with pytest.raises(TypeError, match="not both"):
+        PrivacySpec(batch_size=20, epochs=2, steps=27, max_grad_norm=1.0, target_epsilon=4.0, target_delta=1e-5)
+    with pytest.raises(ValueError, match="steps"):
+        PrivacySpec(batch_size=20, steps=0, max_grad_norm=1.0, target_epsilon=4.0, target_delta=1e-5)

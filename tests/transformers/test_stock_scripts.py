@@ -163,22 +163,24 @@ def test_run_clm_with_gradient_checkpointing_and_evaluation_every_steps_trains_t
     assert relative(weights(tmp_path / "out"), weights(baseline[1] / "out")) == 0.0
 
 
-def test_run_clm_max_steps_stops_inside_an_epoch_and_prices_the_steps_run(files, baseline, tmp_path):
-    """--max_steps 13 with 10 steps an epoch: a plan of 2 epochs (20 steps), stopped after 13. The
-    printed epsilon is the accountant's bound for exactly those 13 steps: the 2-epoch run's own
-    epsilon after its 13th step (the same plan: same request, key and optimizer), below its 20-step 8."""
+def test_run_clm_max_steps_plans_exactly_those_steps_and_spends_the_budget_there(files, baseline, tmp_path):
+    """--max_steps 13 with 10 steps an epoch: a plan of 13 steps, the second epoch cut after 3. The
+    noise is calibrated for those 13 steps: the printed epsilon is the target (not the smaller
+    epsilon of 13 steps of the 20-step plan, whose noise is larger: the control), with less noise."""
     with warnings.catch_warnings():
         warnings.simplefilter("error", ShortRunWarning)  # stopping at max_steps is the plan, not a short run
         trainer = run_clm(files, tmp_path, f"--max_steps 13 {EPSILON_8}")
     results = json.loads((tmp_path / "out" / "all_results.json").read_text())
     whole = baseline[0]
-    assert trainer.private.steps_taken == trainer.state.global_step == 13
-    assert trainer.private.plan.n_steps == 20 and trainer.private.plan.request.epochs == 2
-    assert trainer.private.plan.noise_multiplier == whole.private.plan.noise_multiplier
+    plan = trainer.private.plan
+    assert trainer.private.steps_taken == trainer.state.global_step == plan.n_steps == 13
+    assert plan.request.steps == 13 and plan.request.epochs is None and plan.epochs == 2
+    assert results["epsilon"] == trainer.private.epsilon_spent() == plan.epsilon
+    assert 8.0 * (1 - 1e-3) <= plan.epsilon <= 8.0
     at_step_13 = next(entry["epsilon"] for entry in whole.state.log_history if entry.get("step") == 13)
-    assert results["epsilon"] == trainer.private.epsilon_spent() == at_step_13
-    one_epoch = next(entry["epsilon"] for entry in whole.state.log_history if entry.get("step") == 10)
-    assert one_epoch < results["epsilon"] < 8.0  # more than one epoch's, less than two epochs'
+    assert at_step_13 < plan.epsilon  # the 20-step plan's first 13 steps spend less, with more noise
+    if plan.strategy == whole.private.plan.strategy and plan.sampling == whole.private.plan.sampling:
+        assert plan.noise_multiplier < whole.private.plan.noise_multiplier
 
 
 def test_run_clm_resumes_from_a_checkpoint_with_its_command_line(files, tmp_path):
@@ -230,15 +232,16 @@ def test_trl_sft_packing_is_refused_with_its_reason(files, tmp_path):
 
 
 def test_trl_dpo_docstring_command_line_with_max_steps_and_lora(files, tmp_path):
-    """dpo.py's LoRA command line (--max_steps, --eval_strategy steps, --no_remove_unused_columns): 7
-    steps of a 2-epoch plan of 5-step epochs, the printed epsilon that of the 7 steps run."""
+    """dpo.py's LoRA command line (--max_steps, --eval_strategy steps, --no_remove_unused_columns): a
+    plan of exactly 7 steps (epochs of 5, the second cut after 2), the noise calibrated for them."""
     trainer = run_trl("dpo_style", files, tmp_path, f"--learning_rate 5e-3 --num_train_epochs 1 --max_steps 7 "
                                                     f"--eval_strategy steps --eval_steps 3 --no_remove_unused_columns "
                                                     f"--use_peft --lora_r 4 --lora_alpha 8 "
                                                     f"--lora_target_modules q_proj v_proj {EPSILON_8}")
     plan = trainer.private.plan
-    assert trainer.private.steps_taken == trainer.state.global_step == 7 and plan.n_steps == 10
-    assert logged(trainer)[-1] == trainer.private.epsilon_spent() < plan.epsilon <= 8.0
+    assert trainer.private.steps_taken == trainer.state.global_step == plan.n_steps == 7 and plan.epochs == 2
+    assert logged(trainer)[-1] == trainer.private.epsilon_spent() == plan.epsilon
+    assert 8.0 * (1 - 1e-3) <= plan.epsilon <= 8.0
     assert logged(trainer, "eval_loss")
 
 

@@ -304,27 +304,28 @@ def test_a_run_stopped_by_a_callback_warns_with_what_was_spent(tmp_path):
         complete.train()
 
 
-def test_max_steps_plans_the_epochs_it_reaches_and_stops_inside_the_last(tmp_path):
-    """max_steps=7 with 5 steps an epoch: a plan of 2 epochs, 7 steps taken, no ShortRunWarning, the
-    last log's epsilon the spent one (below the plan's). Trainer's SGD schedule decays over the 7 steps
-    (linear, to 0 after them): the plan's BLT reads those rates and holds the last over the 3 planned
-    steps that never run (a rate of 0 would be refused by the workload)."""
+def test_max_steps_is_the_plans_horizon_the_last_epoch_cut_where_it_ends(tmp_path):
+    """max_steps=7 with 5 steps an epoch: a plan of exactly 7 steps (the second epoch cut after 2), no
+    ShortRunWarning, the noise calibrated for those 7 steps (epsilon the target, spent at the last
+    step). Trainer's SGD schedule decays over the 7 steps (linear, to 0 after them): the choice ranks
+    the mechanisms on exactly those rates."""
     from opake.torch import ShortRunWarning
     from opake.torch.loader import PlanExhaustedError
 
     trainer = dp_trainer(gpt2(), arguments(tmp_path, max_steps=7, optim="sgd", logging_steps=1),
-                         CharDataset(sentences(40)))
+                         CharDataset(sentences(40)), noise_multiplier=None, target_epsilon=4.0)
     plan = trainer.private.plan
-    assert plan.n_steps == 10 and plan.steps_per_epoch == 5 and plan.request.epochs == 2
+    assert plan.n_steps == 7 and plan.steps_per_epoch == 5 and plan.epochs == 2 and plan.request.steps == 7
+    assert 4.0 * (1 - 1e-3) <= plan.epsilon <= 4.0
     with warnings.catch_warnings():
         warnings.simplefilter("error", ShortRunWarning)
         result = trainer.train()
     assert trainer.private.steps_taken == trainer.state.global_step == 7
     rates = [entry["learning_rate"] for entry in trainer.state.log_history if "learning_rate" in entry]
-    assert plan.strategy.lr_schedule == pytest.approx(tuple(rates) + (rates[-1],) * 3)
+    assert plan.choice.workload.learning_rates == pytest.approx(tuple(rates))  # the workload the choice ranked on
     assert result.metrics["epsilon"] == trainer.state.log_history[-1]["epsilon"] == trainer.private.epsilon_spent()
-    assert 0 < trainer.private.epsilon_spent() < plan.epsilon
-    with pytest.raises(PlanExhaustedError, match="taken 7 of its 10 steps"):  # the rest is no second run
+    assert trainer.private.epsilon_spent() == plan.epsilon
+    with pytest.raises(PlanExhaustedError, match="7 steps"):  # the plan is spent: no second run
         trainer.train()
 
 

@@ -95,12 +95,14 @@ def band_candidates(
     *,
     error: str = "max",
     max_bands: int | None = None,
+    steps: int | None = None,
     progress: bool | Progress | None = None,
 ) -> tuple:
     """The candidates of ``cyclic_poisson_bands`` (same rule, same order) as ``BandCandidate`` rows,
     for callers that rank them on another error (``opake.planner.choice``); ``max_bands`` stops the
-    search there (a cap on the noise state, ``bands - 1`` floats per parameter)."""
-    run = DatasetRun(num_examples, batch_size, epochs)
+    search there (a cap on the noise state, ``bands - 1`` floats per parameter); ``steps`` cuts the
+    run at that horizon (``DatasetRun``)."""
+    run = DatasetRun(num_examples, batch_size, epochs, steps)
     progress = Progress.of(progress)
     try:
         candidates = _band_candidates(run, epsilon_budget(epsilon, delta), check_error(error), progress, max_bands)
@@ -154,10 +156,11 @@ def _band_candidates(run: DatasetRun, budget, error: str, progress: Progress, ma
 
 
 def coarse_band_candidate(num_examples: int, batch_size: int, epochs: int, epsilon: float, delta: float,
-                          strategy, *, progress: bool | Progress | None = None) -> BandCandidate:
+                          strategy, *, steps: int | None = None,
+                          progress: bool | Progress | None = None) -> BandCandidate:
     """A given banded ``strategy`` (its ``bands`` groups) calibrated on the coarse grid, as each of
-    ``band_candidates``'s rows is (``rmse`` not computed: NaN)."""
-    run = DatasetRun(num_examples, batch_size, epochs)
+    ``band_candidates``'s rows is (``rmse`` not computed: NaN); ``steps`` as for ``band_candidates``."""
+    run = DatasetRun(num_examples, batch_size, epochs, steps)
     bands = int(strategy.bands)
     if batch_size * bands > num_examples:
         raise InvalidArgumentError(f"{bands} bands with batch_size={batch_size} need a sample rate "

@@ -221,6 +221,7 @@ def choose_mechanism(
     sampling: str | None = None,
     max_state_rows: int | None = MAX_STATE_ROWS,
     refine_all: bool = False,
+    steps: int | None = None,
     progress: bool | None = None,
 ) -> MechanismChoice:
     """The mechanism with the least noise error at (target_epsilon, target_delta) (module docstring).
@@ -235,10 +236,10 @@ def choose_mechanism(
     combination opake cannot price (Poisson with a BLT) raises ``ValueError`` saying what to use.
     ``refine_all`` also prices the other Poisson candidates, calibrated on the comparison's PLD grid
     (1e-3; the chosen one is on the plan's, 1e-4): what a table of every candidate shows (the choice
-    is the same).
+    is the same). ``steps`` cuts the run at that horizon, inside the last of ``epochs`` (``DatasetRun``).
     """
     started = time.perf_counter()
-    run = DatasetRun(num_examples, batch_size, epochs)
+    run = DatasetRun(num_examples, batch_size, epochs, steps)
     budget = acc.epsilon_budget(target_epsilon, target_delta)
     if sampling is not None and sampling not in _SAMPLINGS:
         raise PlanError(f"sampling must be None (any), or one of {_SAMPLINGS}, got {sampling!r}")
@@ -321,10 +322,11 @@ def _poisson_candidates(run: DatasetRun, budget, workload, kinds, strategy, max_
         return []
     if strategy is None:
         rows = band_candidates(run.num_examples, run.batch_size, run.epochs, budget.epsilon, budget.delta,
-                               max_bands=None if max_state_rows is None else max_state_rows + 1, progress=progress)
+                               max_bands=None if max_state_rows is None else max_state_rows + 1, steps=run.steps,
+                               progress=progress)
     else:
         rows = (coarse_band_candidate(run.num_examples, run.batch_size, run.epochs, budget.epsilon, budget.delta,
-                                      strategy, progress=progress),)
+                                      strategy, steps=run.steps, progress=progress),)
     ranked = [(row, workload.rmse(row.noise_multiplier, _mechanism(row, run).inverse_coefficients(run.n_steps)))
               for row in rows]
     candidates = []

@@ -171,7 +171,7 @@ def plan_privacy(
     *,
     num_examples: int,
     batch_size: int,
-    epochs: int,
+    epochs: int | None = None,
     max_grad_norm,
     key: RngKey,
     target_epsilon: float | None = None,
@@ -186,8 +186,12 @@ def plan_privacy(
     loss: str = "",
     progress: bool | None = None,
     clipping: str | None = None,
+    steps: int | None = None,
 ) -> PrivacyPlan:
     """The plan of a private run over ``num_examples`` examples (module docstring); touches nothing.
+
+    The run's length is ``epochs`` passes, or ``steps`` (a horizon in steps, the last epoch cut
+    where it ends; the noise is calibrated for exactly those steps).
 
     ``strategy=None`` with ``target_epsilon`` (and no ``amplification``): the mechanism with the
     least noise at that budget among those proven for adaptively chosen gradients, for what
@@ -208,7 +212,8 @@ def plan_privacy(
     met, Poisson sampling with a strategy it does not cover, amplification for a strategy with
     negative entries.
     """
-    request = PrivacySpec(batch_size=batch_size, epochs=epochs, max_grad_norm=max_grad_norm, clipping=clipping,
+    request = PrivacySpec(batch_size=batch_size, epochs=epochs, steps=steps, max_grad_norm=max_grad_norm,
+                          clipping=clipping,
                           target_epsilon=target_epsilon, target_delta=target_delta, noise_multiplier=noise_multiplier,
                           strategy=strategy, sampling=sampling, amplification=amplification, privacy_unit=privacy_unit)
     return plan_request(request, num_examples=num_examples, key=key, optimizer=optimizer, lr_scheduler=lr_scheduler,
@@ -227,18 +232,17 @@ def plan_request(request: PrivacySpec, *, num_examples: int, key: RngKey,
         raise InvalidTypeError(f"request must be an opake.torch.PrivacySpec, got {type(request).__name__}")
     if not isinstance(key, RngKey):
         raise InvalidTypeError(f"key must be an opake.random.RngKey (opake.random.key(seed)), got {type(key).__name__}")
-    batch_size, epochs, sampling = request.batch_size, request.epochs, request.sampling
-    target_epsilon, target_delta = request.target_epsilon, request.target_delta
-    noise_multiplier = request.noise_multiplier
     units = request.units
     if units is not None and units.num_examples != num_examples:
         units = privacy_units(request.privacy_unit, num_examples)  # refuses, in the words of the form given
     num_drawn = num_examples if units is None else units.num_units
     steps_per_epoch = steps_per_epoch_of(num_drawn, request.batch_size, users=units is not None)
-    n_steps = request.epochs * steps_per_epoch
+    n_steps = request.epochs * steps_per_epoch if request.steps is None else request.steps
+    epochs = -(-n_steps // steps_per_epoch)  # the epochs the run reaches, the last one cut at a steps horizon
     choice = None
     if request.strategy is None and request.calibrated and request.amplification is None:
-        choice = choose_mechanism(num_examples=num_drawn, batch_size=request.batch_size, epochs=request.epochs,
+        choice = choose_mechanism(num_examples=num_drawn, batch_size=request.batch_size, epochs=epochs,
+                                  steps=request.steps,
                                   target_epsilon=request.target_epsilon, target_delta=request.target_delta,
                                   optimizer=optimizer, lr_scheduler=lr_scheduler, sampling=request.sampling,
                                   progress=progress)
@@ -362,16 +366,16 @@ def _plan_noise(accountant, participation, request: PrivacySpec, progress=None):
 def choose_mechanism(*, num_examples: int, batch_size: int, epochs: int, target_epsilon: float, target_delta: float,
                      optimizer: torch.optim.Optimizer | None = None, lr_scheduler=None, strategy=None,
                      sampling: str | None = None, max_state_rows: int | None = MAX_STATE_ROWS,
-                     progress: bool | None = None) -> MechanismChoice:
+                     steps: int | None = None, progress: bool | None = None) -> MechanismChoice:
     """The mechanism ``make_private`` takes without a strategy (``opake.planner.choose_mechanism``),
     for what ``optimizer`` (with ``lr_scheduler``, as for ``make_private``) does with the noise: its
     workload recipe is read from it (``strategy_for_optimizer``); without one, the prefix sums."""
-    run = DatasetRun(num_examples, batch_size, epochs)
+    run = DatasetRun(num_examples, batch_size, epochs, steps)
     recipe = None if optimizer is None else strategy_for_optimizer(optimizer, run.n_steps, lr_scheduler)
     try:
         return _choose(num_examples=num_examples, batch_size=batch_size, epochs=epochs, target_epsilon=target_epsilon,
                        target_delta=target_delta, recipe=recipe, strategy=strategy, sampling=sampling,
-                       max_state_rows=max_state_rows, progress=progress)
+                       max_state_rows=max_state_rows, steps=steps, progress=progress)
     except acc.CalibrationRangeError as error:
         raise PlanError(
             f"target_epsilon={target_epsilon} at delta={target_delta} cannot be met by any mechanism for this "

@@ -258,6 +258,7 @@ def make_private(
     dataset,
     batch_size: int | None = None,
     epochs: int | None = None,
+    steps: int | None = None,
     max_grad_norm: float | None = None,
     target_epsilon: float | None = None,
     target_delta: float | None = None,
@@ -287,6 +288,9 @@ def make_private(
     run takes the BLT optimized for that workload (``strategy_for_optimizer``); ``loss_reduction`` says whether the loss is the mean (default, as
     ``F.cross_entropy``) or the sum over the batch. Extra keyword arguments go to the
     DataLoader (``num_workers``, ``pin_memory``, ...).
+
+    ``steps`` (instead of ``epochs``) plans a horizon in steps, the last epoch cut where it ends: the
+    noise is calibrated for exactly those steps, and the planned loader stops there.
 
     ``privacy_unit`` (default None: each example is a unit) gives one id per example (a list,
     array or tensor of user ids; or an ``opake.dpftrl.sampling.PrivacyUnits``) for user-level
@@ -318,7 +322,7 @@ def make_private(
     whole tensors when they balance to within 10%, else an even split of the elements).
 
     ``privacy=PrivacySpec(...)`` gives the request whole (``opake.torch.request``) instead of its
-    keyword arguments (``batch_size``, ``epochs``, ``max_grad_norm``, ``clipping``,
+    keyword arguments (``batch_size``, ``epochs`` or ``steps``, ``max_grad_norm``, ``clipping``,
     ``target_epsilon``, ``target_delta``, ``noise_multiplier``, ``strategy``, ``sampling``,
     ``amplification``, ``privacy_unit``); giving both is refused. Either way
     ``private.plan.request`` is the request the plan meets.
@@ -352,7 +356,7 @@ def make_private(
     root_key = shared_key(reduction.process_group, reduction.world_size) if key is None else key
     plan = None
     try:
-        request = request_of(privacy, "make_private", batch_size=batch_size, epochs=epochs,
+        request = request_of(privacy, "make_private", batch_size=batch_size, epochs=epochs, steps=steps,
                              max_grad_norm=max_grad_norm, clipping=clipping, target_epsilon=target_epsilon,
                              target_delta=target_delta, noise_multiplier=noise_multiplier, strategy=strategy,
                              sampling=sampling, amplification=amplification, privacy_unit=privacy_unit)

@@ -54,8 +54,9 @@ class PrivacySpec:
     ``target_delta`` always, and exactly one of ``target_epsilon`` (the noise multiplier is
     calibrated) and ``noise_multiplier`` (epsilon is computed). ``max_grad_norm`` is the bound C
     on one unit's clipped gradient, or a clipping rule value; ``clipping`` (None, ``"flat"``,
-    ``"automatic"``) the rule for a bound. ``batch_size`` units per step (expected), ``epochs``
-    passes. ``sampling`` (None, ``"balls_in_bins"``, ``"poisson"``) and ``amplification`` (None:
+    ``"automatic"``) the rule for a bound. ``batch_size`` units per step (expected), and the run's
+    length: ``epochs`` passes, or ``steps`` (a horizon in steps, the last epoch cut where it ends,
+    as ``max_steps`` is for Trainer; the noise is calibrated for exactly those steps). ``sampling`` (None, ``"balls_in_bins"``, ``"poisson"``) and ``amplification`` (None:
     the tightest bound proven for adaptively chosen gradients; True, False) as in ``make_private``.
     ``strategy``: None (with ``target_epsilon``: the mechanism with the least noise), a recipe
     (``blt_strategy()``, ``band_mf_strategy(bands=g)``, ``identity_strategy()``) or a name:
@@ -76,6 +77,7 @@ class PrivacySpec:
     clipping: str | None = field(default=None, compare=False)
     batch_size: int | None = None
     epochs: int | None = None
+    steps: int | None = None
     sampling: str | None = None
     amplification: bool | None = None
     strategy: object = None
@@ -88,7 +90,14 @@ class PrivacySpec:
     def __post_init__(self):
         # The checks plan_privacy made at its top, in the same order and words.
         self._set("batch_size", integer_at_least("batch_size", self.batch_size))
-        self._set("epochs", integer_at_least("epochs", self.epochs))
+        if self.steps is None:
+            self._set("epochs", integer_at_least("epochs", self.epochs))
+        elif self.epochs is not None:
+            raise InvalidTypeError(f"give epochs (whole passes over the data) or steps (a horizon in steps, the "
+                                   f"last epoch cut where it ends), not both: got epochs={self.epochs!r}, "
+                                   f"steps={self.steps!r}")
+        else:
+            self._set("steps", integer_at_least("steps", self.steps))
         _check_sampling(self.sampling, self.amplification)
         self._set("clipping_rule", clipping_rule(self.max_grad_norm, mode=self.clipping))
         if self.target_delta is None:

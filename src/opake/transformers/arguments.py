@@ -158,10 +158,10 @@ ARGUMENT_RULES: tuple[ArgumentRule, ...] = (
           "accountant prices each example's participation in every epoch (not read when max_steps > 0)",
           _whole_positive, "a whole number >= 1"),
     _rule("max_steps", "map",
-          "> 0: the run's horizon in steps, as in Trainer (it overrides num_train_epochs): the plan covers "
-          "ceil(max_steps / steps per epoch) epochs, the run stops after max_steps steps (the last epoch "
-          "partial), and the logged epsilon is what the accountant proves for exactly the steps run "
-          "(private.epsilon_spent()); <= 0: num_train_epochs decides", _integer, "an integer"),
+          "> 0: the run's horizon in steps, as in Trainer (it overrides num_train_epochs): the plan has "
+          "exactly max_steps steps (make_private(steps=)), the last epoch cut where they end, and the noise "
+          "is calibrated to the budget for those steps; <= 0: num_train_epochs decides", _integer,
+          "an integer"),
     _rule("max_grad_norm", "map",
           "the per-example clipping norm C (make_private(max_grad_norm=); with DPTrainer(clipping='automatic') "
           "the bound of automatic clipping); Trainer's own clipping of the "

@@ -36,9 +36,8 @@ and the training set, so the plan (and epsilon) exists before ``train()``. Then:
   the summed ``.grad`` and its ``grad_norm`` log (the norm of the unclipped, un-noised gradient,
   a release the accountant never priced) are turned off.
 * **Steps.** The plan has ``num_train_epochs`` epochs; with ``max_steps > 0`` (Trainer's horizon in
-  steps) the epochs those steps reach, ``ceil(max_steps / steps_per_epoch)``, and Trainer stops after
-  ``max_steps``, inside the last epoch: the steps run are a prefix of the plan, priced as one
-  (``private.epsilon_spent()``).
+  steps) it has exactly ``max_steps`` steps (``PrivacySpec(steps=)``), the last epoch cut where they
+  end, and the noise is calibrated to the budget for those steps.
 * **Logs.** Every log carries ``epsilon`` (spent by the steps taken so far,
   ``private.epsilon_spent()``), ``epsilon_planned`` (the whole planned run's guarantee), ``delta``
   and ``noise_multiplier``, also in the metrics ``train()`` and ``evaluate()`` return. Evaluation
@@ -72,7 +71,6 @@ from transformers.trainer_callback import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints, seed_worker
 from transformers.utils import is_datasets_available
 
-from opake.dpftrl.sampling import steps_per_epoch_of
 from opake.errors import InvalidStateError, InvalidTypeError
 from opake.random import RngKey
 from opake.torch import PrivacySpec, make_private
@@ -182,8 +180,8 @@ class PrivateTrainerMixin:
     is exactly that; TRL's trainers take it the same way). It takes the parent trainer's
     arguments unchanged, plus the privacy settings, keyword-only (``DPTrainer`` lists them) or as
     the fields of ``args`` (``DPTrainingArguments``, ``opake.transformers.training_arguments``),
-    which it makes into one ``PrivacySpec`` with the batch size and epochs of ``args`` (or those its
-    ``max_steps`` reaches), and works
+    which it makes into one ``PrivacySpec`` with the batch size and epochs of ``args`` (or its
+    ``max_steps``), and works
     through Trainer's public seams (``get_train_dataloader``, ``get_batch_samples``,
     ``training_step``, ``compute_loss``, ``log``, ``train``, callbacks) and one private method,
     ``_save_checkpoint`` (TRL's trainers override it too): the only place where a file can join
@@ -251,10 +249,10 @@ class PrivateTrainerMixin:
         request = PrivacySpec(batch_size=batch_size, epochs=int(run_args.num_train_epochs),
                               max_grad_norm=run_args.max_grad_norm, privacy_unit=privacy_unit, **settings)
         dataset, collate = self._planned_dataset_and_collator(self.train_dataset)
-        # max_steps > 0: the plan covers the epochs the steps reach; training stops after max_steps
+        # max_steps > 0: the plan's horizon is max_steps, the last epoch cut where they end
         self._max_steps = int(run_args.max_steps) if run_args.max_steps > 0 else None
         if self._max_steps is not None:
-            request = dataclasses.replace(request, epochs=_epochs_reaching(self._max_steps, request, len(dataset)))
+            request = dataclasses.replace(request, epochs=None, steps=self._max_steps)
         optimizer = self.create_optimizer()  # Trainer's (or the one passed in optimizers=)
         # The scheduler passed in optimizers=, or the one Trainer will build for the plan's length.
         lr_scheduler = self.lr_scheduler or _TrainerSchedule(self.args)
@@ -266,11 +264,10 @@ class PrivateTrainerMixin:
         self._key_given = key is not None
         self.private = make_private(**self._plan_arguments, key=key)
         self.optimizer = self.private.optimizer
-        if self._max_steps is not None and self._max_steps > self.private.plan.n_steps:
-            raise InvalidStateError(  # the planner's epoch differs from steps_per_epoch_of's: a bug, not the user's
-                f"the plan has {self.private.plan.n_steps} steps, fewer than max_steps={self._max_steps}: planned "
-                f"{request.epochs} epoch(s) of {self.private.plan.steps_per_epoch} steps. Pass num_train_epochs "
-                f"instead of max_steps, and report this")
+        if self._max_steps is not None and self._max_steps != self.private.plan.n_steps:
+            raise InvalidStateError(  # the plan's horizon is the request's: anything else is a bug
+                f"the plan has {self.private.plan.n_steps} steps, not max_steps={self._max_steps}; pass "
+                f"num_train_epochs instead of max_steps, and report this")
         self._resumed_from = None  # the checkpoint folder train() resumes from, until its loader exists
         self.add_callback(_EpochOfPlan(self.private.plan.steps_per_epoch))
         self._sharded_scheduler = _ShardedScheduler()
@@ -720,16 +717,6 @@ class DPTrainer(PrivateTrainerMixin, transformers.Trainer):
                          preprocess_logits_for_metrics=preprocess_logits_for_metrics, **privacy)
 
 
-def _epochs_reaching(max_steps: int, request: PrivacySpec, num_examples: int) -> int:
-    """The whole epochs a run of ``max_steps`` steps reaches: ``ceil(max_steps / steps per epoch)``,
-    an epoch being ``units // batch_size`` steps (units: the examples, or the users of
-    ``privacy_unit``), as the planner counts it."""
-    units = request.units
-    steps_per_epoch = steps_per_epoch_of(num_examples if units is None else units.num_units, request.batch_size,
-                                         users=units is not None)
-    return -(-max_steps // steps_per_epoch)
-
-
 class _WorkerSeed:
     """Trainer's ``seed_worker`` for the planned loader's workers (a picklable callable)."""
 
@@ -810,26 +797,9 @@ class _TrainerSchedule:
         self.args = args
 
     def __call__(self, optimizer, n_steps: int):
-        max_steps = int(self.args.max_steps)
-        horizon = max_steps if max_steps > 0 else n_steps  # Trainer builds its scheduler for max_steps
-        scheduler = transformers.get_scheduler(self.args.lr_scheduler_type, optimizer=optimizer,
-                                               num_warmup_steps=self.args.get_warmup_steps(horizon),
-                                               num_training_steps=horizon,
-                                               scheduler_specific_kwargs=self.args.lr_scheduler_kwargs)
-        return _HeldAfter(scheduler, horizon) if horizon < n_steps else scheduler
+        return transformers.get_scheduler(self.args.lr_scheduler_type, optimizer=optimizer,
+                                          num_warmup_steps=self.args.get_warmup_steps(n_steps),
+                                          num_training_steps=n_steps,
+                                          scheduler_specific_kwargs=self.args.lr_scheduler_kwargs)
 
 
-class _HeldAfter:
-    """A scheduler that steps ``scheduler`` through ``steps`` steps and then holds its last rate:
-    the plan of a ``max_steps`` run covers whole epochs, and its steps after ``max_steps`` (which
-    never run) need a rate for the strategy's workload, where Trainer's schedule has reached 0."""
-
-    def __init__(self, scheduler, steps: int):
-        self.scheduler = scheduler
-        self.steps = steps
-        self.taken = 0
-
-    def step(self) -> None:
-        self.taken += 1
-        if self.taken < self.steps:
-            self.scheduler.step()
