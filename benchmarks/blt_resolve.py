@@ -20,8 +20,9 @@ machine; ``--run-peer --update-cache`` refreshes that file. The benchmark runs w
 A second table times the schedule-aware resolve that torch.optim.SGD with a learning-rate
 schedule gets (``blt_strategy(workload="parameters", momentum=0.9, lr_schedule=...)``, a 5% linear
 warmup then cosine decay; also with Nesterov and with dampening 0.3) at n = 1e3 .. 1e6, each
-against the constant-schedule resolve of the same workload in the same run (wall and CPU
-seconds, one cold resolve each). ``--buffers`` adds the buffer-count check: for cosine, linear
+against the constant-schedule resolve of the same workload in the same run: ``--repeats`` (3)
+alternating cold resolves of each, the ratio scheduled / constant as the fastest over the
+fastest and as the median of the pairs, in wall and CPU seconds, with the load average. ``--buffers`` adds the buffer-count check: for cosine, linear
 warmup + decay and step schedules, the chosen count against two more buffers forced, and at
 n = 64..256 against the best general Toeplitz strategy for the same weighted workload
 (``tests/optimal_toeplitz.py``, torch L-BFGS in float64; minutes).
@@ -200,8 +201,11 @@ def _timed_resolve(recipe, n: int) -> dict:
             "max_loss": float(mech.max_loss)}
 
 
-def schedule_rows(sizes, settings=SCHEDULE_SGD) -> list[dict]:
-    """Cold resolves with and without the warmup-cosine schedule, per size and SGD setting."""
+def schedule_rows(sizes, settings=SCHEDULE_SGD, repeats: int = 3) -> list[dict]:
+    """Cold resolves with and without the warmup-cosine schedule, per size and SGD setting:
+    ``repeats`` alternating pairs (constant, then scheduled) in this process. The ratio
+    scheduled / constant is given as min(scheduled) / min(constant) and as the median of the
+    pairs' ratios, in wall and in CPU seconds, with the load average (1 minute) before and after."""
     from opake.dpftrl.noise import blt_strategy
 
     import opake.dpftrl.strategies.blt_optimize  # noqa: F401 - imported outside the timed region
@@ -210,24 +214,36 @@ def schedule_rows(sizes, settings=SCHEDULE_SGD) -> list[dict]:
     for n in sizes:
         eta = tuple(warmup_cosine(n))
         for label, sgd in settings:
-            constant = _timed_resolve(blt_strategy(workload="parameters", **sgd), n)
-            scheduled = _timed_resolve(blt_strategy(workload="parameters", lr_schedule=eta, **sgd), n)
-            rows.append({"n_steps": n, "sgd": label, "constant": constant, "scheduled": scheduled,
-                         "ratio_wall": scheduled["wall"] / constant["wall"],
-                         "ratio_cpu": scheduled["cpu"] / constant["cpu"]})
-            print(f"  [schedule] n={n} {label}: {scheduled['wall']:.2f} s", file=sys.stderr, flush=True)
+            load_before = os.getloadavg()[0]
+            pairs = [(_timed_resolve(blt_strategy(workload="parameters", **sgd), n),
+                      _timed_resolve(blt_strategy(workload="parameters", lr_schedule=eta, **sgd), n))
+                     for _ in range(repeats)]
+            constant = min((c for c, _ in pairs), key=lambda run: run["wall"])
+            scheduled = min((s_ for _, s_ in pairs), key=lambda run: run["wall"])
+            rows.append({
+                "n_steps": n, "sgd": label, "constant": constant, "scheduled": scheduled, "runs": pairs,
+                "ratio_wall": scheduled["wall"] / constant["wall"],
+                "ratio_wall_median": float(np.median([s_["wall"] / c["wall"] for c, s_ in pairs])),
+                "ratio_cpu": min(s_["cpu"] for _, s_ in pairs) / min(c["cpu"] for c, _ in pairs),
+                "ratio_cpu_median": float(np.median([s_["cpu"] / c["cpu"] for c, s_ in pairs])),
+                "load": (load_before, os.getloadavg()[0]),
+            })
+            print(f"  [schedule] n={n} {label}: {scheduled['wall']:.2f} s, ratio {rows[-1]['ratio_wall']:.2f}",
+                  file=sys.stderr, flush=True)
     return rows
 
 
 def format_schedule_table(rows) -> str:
-    header = (f"{'n':>9}  {'SGD':<14}  {'const s':>8}  {'B':>2}  {'sched s':>8}  {'cpu s':>6}  {'B':>2}"
-              f"  {'sqrt(loss)':>10}  {'sched/const':>11}  {'cpu ratio':>9}")
+    header = (f"{'n':>9}  {'SGD':<14}  {'const s':>8}  {'B':>2}  {'sched s':>8}  {'B':>2}  {'sqrt(loss)':>10}"
+              f"  {'ratio min':>9}  {'ratio med':>9}  {'cpu min':>7}  {'cpu med':>7}  {'load':>9}")
     lines = [header, "-" * len(header)]
     for r in rows:
         c, s_ = r["constant"], r["scheduled"]
+        load = f"{r['load'][0]:.1f}-{r['load'][1]:.1f}"
         lines.append(f"{r['n_steps']:>9}  {r['sgd']:<14}  {c['wall']:>8.2f}  {c['num_buffers']:>2}  {s_['wall']:>8.2f}"
-                     f"  {s_['cpu']:>6.2f}  {s_['num_buffers']:>2}  {math.sqrt(s_['max_loss']):>10.4f}"
-                     f"  {r['ratio_wall']:>11.2f}  {r['ratio_cpu']:>9.2f}")
+                     f"  {s_['num_buffers']:>2}  {math.sqrt(s_['max_loss']):>10.4f}  {r['ratio_wall']:>9.2f}"
+                     f"  {r['ratio_wall_median']:>9.2f}  {r['ratio_cpu']:>7.2f}  {r['ratio_cpu_median']:>7.2f}"
+                     f"  {load:>9}")
     return "\n".join(lines)
 
 
@@ -450,6 +466,8 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true",
                         help="seconds, a smoke test: contexts 'single 1e3' and 'n=2000 b=100 k=None' (unless --only), "
                              "the schedule table at n = 1e3 with momentum only")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="alternating constant / scheduled resolves per row of the schedule table (default 3)")
     parser.add_argument("--buffers", action="store_true",
                         help="also check the buffer counts under schedules (forced counts, optimal Toeplitz; minutes)")
     args = parser.parse_args(argv)
@@ -554,10 +572,12 @@ def main(argv=None) -> int:
         print(f"optimal Toeplitz values match the docs/math.md table ({len(OPTIMAL_TABLE)} values, 6 decimals)")
 
     settings = SCHEDULE_SGD[:1] if args.quick else SCHEDULE_SGD
-    sched_rows = schedule_rows(args.schedule_sizes, settings) if args.schedule_sizes else []
+    sched_rows = schedule_rows(args.schedule_sizes, settings, args.repeats) if args.schedule_sizes else []
     if sched_rows:
-        print("\nlearning-rate schedule (torch.optim.SGD parameter workload, 5% warmup + cosine), one cold resolve each;"
-              "\nconst = the same workload without a schedule, in the same run; seconds wall (cpu for the scheduled one)")
+        print(f"\nlearning-rate schedule (torch.optim.SGD parameter workload, 5% warmup + cosine); {args.repeats} "
+              f"alternating cold resolves\n(the same workload without a schedule, then with it) per row in this "
+              f"process; const s / sched s: the fastest, wall;\nratio = sched / const: min = fastest / fastest, "
+              f"med = median of the pairs' ratios, in wall and cpu seconds; load: 1-minute load average")
         print(format_schedule_table(sched_rows))
     buf_rows = buffer_rows() if args.buffers else []
     if buf_rows:

@@ -243,3 +243,16 @@ def test_adams_signal_step_follows_lr_over_the_noise_so_the_scaled_rate_carries_
     small, large = drift(1.0, 1e-3), drift(6.0, 6e-3)
     assert large == pytest.approx(small, rel=0.15)
     assert drift(6.0, 1e-3) < 0.3 * small
+
+
+@pytest.mark.parametrize(("momentum", "dampening", "nesterov"), [(0.0, 0.0, False), (0.9, 0.0, False),
+                                                                 (0.9, 0.3, False), (0.8, 0.0, True)])
+def test_the_recursive_momentum_filter_is_the_convolution_with_f(momentum, dampening, nesterov):
+    from scipy.signal import fftconvolve
+
+    from opake.planner.workload import _momentum_filter, _momentum_filtered
+
+    sgd = ParameterWorkload(momentum=momentum, dampening=dampening, nesterov=nesterov)
+    inverse = np.random.default_rng(0).standard_normal(3000)
+    f, _ = _momentum_filter(sgd, 3000)
+    np.testing.assert_allclose(_momentum_filtered(inverse, sgd), fftconvolve(f, inverse)[:3000], rtol=1e-9, atol=1e-9)

@@ -73,6 +73,47 @@ def test_inverse_coefficients_hand_cases(c, want):
     np.testing.assert_allclose(toeplitz.inverse_coefficients(np.array(c)), want, rtol=0, atol=1e-15)
 
 
+@given(nonincreasing_coefs(max_n=60), st.sampled_from([1, 2, 5, 60]))
+def test_filter_and_substitution_inverses_match_the_dense_inverse_and_each_other(c, support):
+    # both fast paths of inverse_coefficients, on any band (support <= n) and on the full column
+    c = c.copy()
+    c[support:] = 0.0
+    want = dense.inverse_matrix(dense.lower_toeplitz(c))[:, 0]
+    width = int(np.flatnonzero(c)[-1]) + 1
+    by_filter = toeplitz._inverse_by_filter(c[:width], len(c))
+    by_loop = toeplitz._inverse_by_substitution(c, width)
+    scale = np.max(np.abs(want))
+    np.testing.assert_allclose(by_filter, want, rtol=1e-12, atol=1e-13 * scale)
+    np.testing.assert_allclose(by_loop, want, rtol=1e-12, atol=1e-13 * scale)
+    np.testing.assert_allclose(by_filter, by_loop, rtol=1e-12, atol=1e-14 * scale)
+
+
+@pytest.mark.parametrize("bands", [2, 8, 64, 1024])
+def test_long_banded_inverse_by_the_filter_matches_the_substitution_loop(bands):
+    # n = 20000 (the dense inverse does not fit): an optimizer-like band (non-negative,
+    # non-increasing, near flat: its inverse oscillates for thousands of terms) against the loop
+    n = 20000
+    k = np.arange(1, bands, dtype=np.float64)
+    c = np.zeros(n)
+    c[:bands] = np.concatenate(([1.0], 1.0 - 0.3 * np.sqrt(k / bands)))
+    got = toeplitz.inverse_coefficients(c)
+    want = toeplitz._inverse_by_substitution(c, bands)
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-14 * np.max(np.abs(want)))
+    # and C c_hat = e_0 to rounding, over the whole horizon (C applied by a convolution)
+    residual = np.convolve(c[:bands], got)[:n]
+    residual[0] -= 1.0
+    assert np.max(np.abs(residual)) < 1e-12 * np.max(np.abs(got)) * bands
+
+
+def test_wide_columns_go_through_the_substitution_loop(monkeypatch):
+    # beyond _FILTER_MAX_SUPPORT the loop runs (the filter is never called), and both agree
+    c = np.concatenate(([1.0], 0.5 ** np.arange(1, 40)))
+    want = dense.inverse_matrix(dense.lower_toeplitz(c))[:, 0]
+    monkeypatch.setattr(toeplitz, "_FILTER_MAX_SUPPORT", 10)
+    monkeypatch.setattr(toeplitz, "_inverse_by_filter", None)  # calling it would raise TypeError
+    np.testing.assert_allclose(toeplitz.inverse_coefficients(c), want, rtol=1e-12, atol=1e-15)
+
+
 # ---------------------------------------------------------------------------------------------
 # minsep_sensitivity_squared
 
@@ -163,6 +204,17 @@ def test_per_query_errors_match_dense_workload(c, data):
     want = dense.per_query_errors(dense.lower_toeplitz(c), momentum, schedule)
     assert got.shape == (n,)
     np.testing.assert_allclose(got, want, rtol=RTOL, atol=1e-12 * np.max(want))
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.5, 0.9, 0.999])
+def test_long_per_query_errors_with_momentum_match_the_written_out_recurrence(momentum):
+    # n = 30000 with a sign-changing inverse column: the C filter against dense.py's Python loop
+    rng = np.random.default_rng(7)
+    chat = rng.standard_normal(30000) * np.exp(-np.arange(30000) / 5000.0)
+    eta = 0.01 + 0.5 * (1.0 + np.cos(np.pi * np.arange(30000) / 30000))
+    got = toeplitz.per_query_errors(chat, momentum=momentum, lr_schedule=eta)
+    want = dense.toeplitz_per_query_errors_long(chat, momentum, eta)
+    np.testing.assert_allclose(got, want, rtol=1e-12)
 
 
 def test_per_query_errors_defaults_are_prefix_sums():

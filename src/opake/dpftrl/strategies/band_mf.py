@@ -33,12 +33,13 @@ from opake.errors import InvalidArgumentError, InvalidTypeError
 
 _ERRORS = ("max", "mean")
 
-# Resolution cost (measured, one CPU core): each L-BFGS evaluation of the loss and its gradient
-# is O(n log n) FFT work, about 1.5e-6 s per step (1.5 s at n_steps = 1e6, 0.14 s at 1e5,
-# nearly independent of bands), and a resolution takes roughly 20 to 150 evaluations.
-SECONDS_PER_STEP_PER_EVALUATION = 1.5e-6
-TYPICAL_EVALUATIONS = (20, 150)
-SLOW_RESOLUTION_STEPS = 200_000  # from here on a resolution is expected to take over ~10 s
+# Resolution cost (one CPU core): a resolution takes roughly 15 to 150 L-BFGS evaluations of the
+# loss and its gradient (20 to 30 for 2 to 8 bands at n_steps = 1e6), each of the cost
+# ``band_mf_optimize.evaluation_seconds`` estimates: about 1 ms up to 16 bands at any n_steps
+# (doubling the horizon), 0.1 s for 64 bands at 1e6 (recursive filters), 0.25 s beyond 64 bands
+# at 1e6 (FFT).
+TYPICAL_EVALUATIONS = (15, 150)
+SLOW_RESOLUTION_SECONDS = 10.0  # a resolution that may take this long (high estimate) warns
 
 
 class SlowResolutionWarning(UserWarning):
@@ -128,12 +129,13 @@ class BandMFStrategy:
     def resolve(self, n_steps, min_sep: int = 1, max_participations: int | None = None) -> BandedMechanism:
         """The optimized banded C for this participation context (deterministic, cached).
 
-        Cost: L-BFGS over the band, each evaluation O(n_steps log n_steps) (about 1.5e-6 s per
-        step on one core) and typically 20 to 150 evaluations: under a second up to
-        n_steps ~ 1e4, seconds at 1e5, about 30 s to a few minutes at 1e6. From
-        ``SLOW_RESOLUTION_STEPS`` steps on, a resolution that is not already cached emits a
-        ``SlowResolutionWarning`` with the estimate. The result is cached per (recipe, context)
-        in this process, so the accountant and the noise engine share one resolution.
+        Cost: L-BFGS over the band, typically 15 to 150 evaluations, each O(bands^4 log n_steps)
+        or O(n_steps x bands) up to 64 bands and O(n_steps log n_steps) beyond
+        (``expected_resolution_seconds``): about 0.1 s for 2 to 16 bands at n_steps = 1e6,
+        seconds for 64 bands there. A resolution that is not already cached and may take
+        ``SLOW_RESOLUTION_SECONDS`` or more emits a ``SlowResolutionWarning`` with the estimate.
+        The result is cached per (recipe, context) in this process, so the accountant and the
+        noise engine share one resolution.
         """
         ctx = _context(n_steps, min_sep, max_participations)
         if self.bands > ctx.n_steps:
@@ -190,17 +192,27 @@ def mechanism_from_coefs(coefs, participation: Participation, recipe=None) -> Ba
     )
 
 
-def _warn_if_slow(recipe: BandMFStrategy, ctx: Participation) -> None:
-    if ctx.n_steps < SLOW_RESOLUTION_STEPS or recipe.bands == 1:
-        return
-    per_evaluation = SECONDS_PER_STEP_PER_EVALUATION * ctx.n_steps
+def expected_resolution_seconds(bands: int, n_steps: int) -> tuple[float, float]:
+    """(low, high) estimate of the seconds one resolution takes on one core (the constants above)."""
+    from opake.dpftrl.strategies.band_mf_optimize import evaluation_seconds
+
+    per_evaluation = min(evaluation_seconds(bands, n_steps).values())
     low, high = (per_evaluation * count for count in TYPICAL_EVALUATIONS)
+    return low, high
+
+
+def _warn_if_slow(recipe: BandMFStrategy, ctx: Participation) -> None:
+    if recipe.bands == 1:
+        return
+    low, high = expected_resolution_seconds(recipe.bands, ctx.n_steps)
+    if high < SLOW_RESOLUTION_SECONDS:
+        return
     warnings.warn(
         f"resolving band_mf_strategy(bands={recipe.bands}) for n_steps={ctx.n_steps} optimizes the band "
-        f"by L-BFGS at about {per_evaluation:.2g} s per evaluation (O(n_steps log n_steps)), typically "
-        f"{TYPICAL_EVALUATIONS[0]} to {TYPICAL_EVALUATIONS[1]} evaluations: expect about {low:.0f} to "
-        f"{high:.0f} s on one core. The result is cached in this process for this recipe and context, "
-        f"so resolve it once (accounting and noise then share it)",
+        f"by L-BFGS, typically {TYPICAL_EVALUATIONS[0]} to {TYPICAL_EVALUATIONS[1]} evaluations at about "
+        f"{high / TYPICAL_EVALUATIONS[1]:.2g} s each: expect about {low:.0f} to {high:.0f} s on one core. "
+        f"The result is cached in this process for this recipe and context, so resolve it once "
+        f"(accounting and noise then share it)",
         SlowResolutionWarning,
         stacklevel=4,
     )

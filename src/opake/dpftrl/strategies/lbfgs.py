@@ -21,6 +21,7 @@ def minimize_until_stalled(
     gtol: float,
     maxcor: int,
     bounds=None,
+    evaluation_window: int | None = None,
 ) -> tuple[np.ndarray, float, int]:
     """The best point L-BFGS-B evaluated, its value, and the number of iterations.
 
@@ -28,28 +29,43 @@ def minimize_until_stalled(
     one with zero gradient, so the line search backs off. Besides scipy's own tests, the run
     stops once ``window`` iterations lowered the best value by less than ``stall``: a parameter
     drifting toward a bound can creep for hundreds of iterations while the value changes in
-    the 8th digit.
+    the 8th digit. Given ``evaluation_window``, it also stops once that many evaluations lowered
+    the best value by less than ``stall``: at a converged point the line searches fail on
+    rounding noise, and each failure costs up to 20 evaluations without an iteration.
     """
     best = {"f": math.inf, "x": np.array(x0, dtype=np.float64)}
-    history = []
+    history = []      # the best value after each iteration
+    evaluations = []  # ... and after each evaluation
+
+    def stop_when_stalled(values, span):
+        # StopIteration: from the callback it is scipy's protocol to stop; from the objective
+        # (a line search in progress) it leaves minimize, and is caught below
+        if len(values) > span and values[-span - 1] - values[-1] < stall:
+            raise StopIteration
 
     def tracked(x):
         value, gradient = objective(x)
-        if not math.isfinite(value):
-            return 1e300, np.zeros_like(x)
-        if value < best["f"]:
+        finite = math.isfinite(value)
+        if finite and value < best["f"]:
             best["f"], best["x"] = value, np.array(x)
+        if evaluation_window is not None:
+            evaluations.append(best["f"])
+            stop_when_stalled(evaluations, evaluation_window)
+        if not finite:
+            return 1e300, np.zeros_like(x)
         return value, gradient
 
-    def stop_when_stalled(_):
+    def after_iteration(_):
         history.append(best["f"])
-        if len(history) > window and history[-window - 1] - history[-1] < stall:
-            raise StopIteration
+        stop_when_stalled(history, window)
 
     # The linear algebra is tiny (tens to a thousand variables): BLAS threads only add latency.
     with threadpool_limits(limits=1, user_api="blas"):
-        minimize(
-            tracked, best["x"], jac=True, method="L-BFGS-B", callback=stop_when_stalled, bounds=bounds,
-            options={"maxiter": max_iterations, "ftol": ftol, "gtol": gtol, "maxcor": maxcor},
-        )
+        try:
+            minimize(
+                tracked, best["x"], jac=True, method="L-BFGS-B", callback=after_iteration, bounds=bounds,
+                options={"maxiter": max_iterations, "ftol": ftol, "gtol": gtol, "maxcor": maxcor},
+            )
+        except StopIteration:
+            pass  # the evaluation rule stopped a line search: the best point so far is the answer
     return best["x"], best["f"], len(history)

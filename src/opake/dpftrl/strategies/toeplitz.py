@@ -7,6 +7,7 @@ and are the O(n) references the BLT closed forms are checked against.
 from __future__ import annotations
 
 import numpy as np
+from scipy.signal import lfilter
 
 from opake.errors import InvalidArgumentError
 
@@ -20,17 +21,47 @@ def _column(coefs) -> np.ndarray:
     return c
 
 
+# Bands up to this width are inverted by scipy's recursive filter (``_inverse_by_filter``), wider
+# columns by the substitution loop (``_inverse_by_substitution``). The filter updates a state of
+# ``support`` values per term in C; the loop pays ~1 us of Python per term but its dot product
+# runs in BLAS. Measured (one core): at support 8 and n = 1e6 the filter takes 6 ms, the loop
+# 1.5 s; at full support and n = 2e4 the loop is 3x faster (0.12 s against 0.36 s).
+_FILTER_MAX_SUPPORT = 1024
+
+
 def inverse_coefficients(coefs) -> np.ndarray:
     """First column of C^{-1} (also lower-triangular Toeplitz); O(n * nonzeros of c).
 
     Forward substitution on C c_hat = e_0:
-        c_hat_0 = 1 / c_0,   c_hat_k = -(1 / c_0) sum_{j=1..k} c_j c_hat_{k-j}.
+        c_hat_0 = 1 / c_0,   c_hat_k = -(1 / c_0) sum_{j=1..min(k, s-1)} c_j c_hat_{k-j},
+    s the support of c (c_j = 0 for j >= s). This is the recursive (IIR) filter with denominator
+    c_0..c_{s-1} applied to the unit impulse, which scipy runs in C for a narrow band (a BandMF
+    column: milliseconds at n = 1e6); a wide column goes through the loop with BLAS dot products.
+    Both are the same recurrence, summed in another order.
     """
     c = _column(coefs)
     if c[0] == 0.0:
         raise InvalidArgumentError("coefs[0] must be non-zero for C to be invertible")
-    n = c.shape[0]
     support = int(np.flatnonzero(c)[-1]) + 1  # banded C only needs its band
+    if support <= _FILTER_MAX_SUPPORT:
+        return _inverse_by_filter(c[:support], c.shape[0])
+    return _inverse_by_substitution(c, support)
+
+
+def _inverse_by_filter(band: np.ndarray, n: int) -> np.ndarray:
+    """c_hat for the band c_0..c_{s-1}: the impulse response of 1 / c(z^-1), n terms.
+
+    scipy's lfilter divides the denominator by c_0 and runs y_k = x_k / c_0 - sum_j (c_j / c_0)
+    y_{k-j} (transposed direct form II): the substitution above, exact up to rounding.
+    """
+    impulse = np.zeros(n)
+    impulse[0] = 1.0
+    return lfilter([1.0], band, impulse)
+
+
+def _inverse_by_substitution(c: np.ndarray, support: int) -> np.ndarray:
+    """c_hat term by term (a dot product of up to ``support`` - 1 terms each)."""
+    n = c.shape[0]
     inv = np.zeros(n)
     inv[0] = 1.0 / c[0]
     for k in range(1, n):
@@ -99,11 +130,8 @@ def per_query_errors(inverse_coefs, momentum: float = 1.0, lr_schedule=None) -> 
     if beta == 1.0:
         d = np.cumsum(inv)
     else:
-        d = np.empty_like(inv)
-        acc = 0.0
-        for k, value in enumerate(inv):
-            acc = beta * acc + value
-            d[k] = acc
+        # d_k = beta d_{k-1} + c_hat_k: the one-pole filter 1 / (1 - beta z^-1), run in C
+        d = lfilter([1.0], [1.0, -beta], inv)
     errors = np.cumsum(d * d)
     if lr_schedule is not None:
         eta = np.asarray(lr_schedule, dtype=np.float64)
