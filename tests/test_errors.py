@@ -37,7 +37,7 @@ ALLOWED = {
     ("opake.torch.per_example.rules.base", "per_example_grads", "NotImplementedError"):
         "abstract method of LayerRule: every rule implements it",
     ("opake.dpftrl.strategies.lbfgs", "stop_when_stalled", "StopIteration"):
-        "scipy's callback protocol: StopIteration in a callback stops minimize (not an error)",
+        "scipy's protocol: StopIteration from a callback (or the objective) ends minimize early; lbfgs catches it, never a user-facing error",
     ("opake.audit.canaries", "__getitem__", "IndexError"):
         "sequence protocol: IndexError past the end ends iteration over the dataset",
     ("opake.dpftrl.strategies.blt_optimize", "objective", "_Stalled"):
