@@ -6,7 +6,26 @@ benchmark does not depend on the optimizer) and times, interleaved, best of ``--
 
 - floor: ``torch.randn`` of d values into a preallocated tensor plus one fused read/write pass
   over a (B, d) buffer (``S.add_(z)``): the least any correlated-noise step must do;
+- keyed floor ("keyed draws + BLT update"): what any step of *this* engine's contract must do
+  at least, written as plainly as possible, with no checks, no pytree and no per-tensor output:
+  the keyed draws (one ``BlockSampler.fill`` per noise block of the layout, into one
+  preallocated d-vector: the noise is a pure function of key, step, parameter path and element
+  index, so each block's generator is seeded from its own derivation; with 200 tensors that is
+  200 derivations and 200 short ``normal_`` calls where the floor makes one long one), one BLT
+  update of the (B, d) buffer by the engine's streaming inverse (a matrix-vector product and a
+  broadcast multiply-add: two passes, where the floor's single ``add_`` is no BLT step), and
+  ``gradient + scale * x`` on one flat float32 gradient (the step returns noised gradients),
+  the last two cut into the same cache-sized stretches as the engine's (``columns_per_advance``;
+  one stretch with several threads or on a GPU) and with the step's BLT scalars computed
+  beforehand. The floor column above is kept as it was; this one says how far the engine is
+  from its own unavoidable work, the per-tensor keyed draws included, and what is left is the
+  engine's checks (structure, shapes, NaN/inf: one more pass over the gradients), its
+  per-tensor outputs and adds, and its bookkeeping;
 - opake: one ``noise_fn(clipped, state)`` call on float32 gradients.
+
+The three are timed in turn in each repeat (``--clock wall``: ``time.perf_counter``, the
+default; ``--clock cpu``: the thread's CPU time, which on a loaded machine leaves out the time
+the process waits for a core), best of ``--repeats`` each; the ratios divide the bests.
 
 It also reports the step's peak extra memory: the peak of torch's live allocations during one
 step (from the profiler's record of allocations and releases), in units of one float32
@@ -96,7 +115,8 @@ def _peak_cuda_bytes(function) -> int:
     return torch.cuda.max_memory_allocated() - baseline
 
 
-def worker(elements: int, tensors: int, buffers: int, repeats: int, threads: int, device: str = "cpu") -> dict:
+def worker(elements: int, tensors: int, buffers: int, repeats: int, threads: int, device: str = "cpu",
+           clock: str = "wall") -> dict:
     import numpy as np
     import torch
 
@@ -105,6 +125,9 @@ def worker(elements: int, tensors: int, buffers: int, repeats: int, threads: int
     cuda = device.startswith("cuda")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     from opake.dpftrl.noise import mf_gaussian_noise
+    from opake.dpftrl.noise.engine.correlated_noise import columns_per_advance
+    from opake.dpftrl.noise.engine.draws import BLOCK_ELEMENTS, BlockSampler
+    from opake.dpftrl.noise.engine.streaming import BufferedInverse
     from opake.dpftrl.strategies.strategy import Mechanism
     from opake.dpftrl.participation import Participation
     from opake.random import key
@@ -135,20 +158,53 @@ def worker(elements: int, tensors: int, buffers: int, repeats: int, threads: int
         torch.randn(elements, generator=generator, out=floor_normals)
         floor_buffers.add_(floor_normals)
 
+    # The keyed floor (module doc): the layout's keyed block draws into one d-vector, one BLT
+    # update of the whole buffer, one flat gradient + scale * x.
+    sampler = BlockSampler(key(0), torch.device(device))
+    draws = []
+    keyed_normals = torch.empty(elements, device=device)
+    for slot in noise_fn.layout.leaves:
+        for block in slot.blocks:
+            begin = slot.offset + block * BLOCK_ELEMENTS
+            stop = min(begin + BLOCK_ELEMENTS, slot.offset + slot.numel)
+            draws.append((keyed_normals[begin:stop], slot.code, block))
+    inverse = BufferedInverse(tuple(omega), tuple(one_minus_theta))
+    step_coefficients = inverse.at_step(inverse.coefficients(torch.float32, torch.device(device)), 1)
+    keyed_buffers = torch.zeros(buffers, elements, device=device)
+    flat_gradient = torch.ones(elements, device=device)
+    keyed_step = iter(range(1, 2**62))
+
+    chunk = columns_per_advance(torch.device(device)) or elements
+    stretches = list(zip(keyed_normals.split(chunk), keyed_buffers.split(chunk, 1), flat_gradient.split(chunk)))
+
+    def keyed_floor():
+        step = next(keyed_step)
+        for view, code, block in draws:
+            sampler.fill(view, step, code, block)
+        for x, columns, gradient in stretches:  # cache-blocked as the engine is (one stretch if not)
+            inverse.advance(x, columns, step_coefficients)
+            torch.add(gradient, x, alpha=1.0, out=x)
+
     floor()
+    keyed_floor()
     noisy, state = noise_fn(grads, state)  # warm-up
     del noisy
-    best_floor = best_engine = float("inf")
+    now = time.thread_time if clock == "cpu" else time.perf_counter
+    best_floor = best_keyed = best_engine = float("inf")
     for _ in range(repeats):
         sync()
-        start = time.perf_counter()
+        start = now()
         floor()
         sync()
-        best_floor = min(best_floor, time.perf_counter() - start)
-        start = time.perf_counter()
+        best_floor = min(best_floor, now() - start)
+        start = now()
+        keyed_floor()
+        sync()
+        best_keyed = min(best_keyed, now() - start)
+        start = now()
         noisy, state = noise_fn(grads, state)
         sync()
-        best_engine = min(best_engine, time.perf_counter() - start)
+        best_engine = min(best_engine, now() - start)
         del noisy
     # Memory is measured while the previous output is still held, so the step must allocate its
     # output (the timed loop drops each output, and on CPU the engine then reuses it).
@@ -157,12 +213,13 @@ def worker(elements: int, tensors: int, buffers: int, repeats: int, threads: int
     measure = _peak_cuda_bytes if cuda else _peak_allocated_bytes
     extra = measure(lambda: kept.append(noise_fn(grads, state))) / (4 * elements)
     del held
-    return {"floor": best_floor, "engine": best_engine, "extra_vectors": extra}
+    return {"floor": best_floor, "keyed": best_keyed, "engine": best_engine, "extra_vectors": extra}
 
 
 def run_worker(args, elements, tensors, buffers) -> dict:
     command = [sys.executable, __file__, "--worker", str(elements), str(tensors), str(buffers),
-               "--repeats", str(args.repeats), "--threads", str(args.threads), "--device", args.device]
+               "--repeats", str(args.repeats), "--threads", str(args.threads), "--device", args.device,
+               "--clock", args.clock]
     completed = subprocess.run(command, capture_output=True, text=True, timeout=600)
     if completed.returncode != 0:
         raise RuntimeError(f"worker failed:\n{completed.stderr}")
@@ -199,22 +256,28 @@ def main() -> None:
                         help="run the peers for single-tensor configurations (default), all, or none; "
                              "jax-privacy compiles 200-tensor models for about a minute")
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda; peers run on CPU only")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="time with the wall clock (default) or the thread's CPU time")
     parser.add_argument("--worker", nargs=3, type=int, metavar=("D", "TENSORS", "B"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.repeats = args.repeats or (3 if args.quick else 9)
     args.peer_repeats = 3
     if args.worker:
-        print(json.dumps(worker(*args.worker, repeats=args.repeats, threads=args.threads, device=args.device)))
+        print(json.dumps(worker(*args.worker, repeats=args.repeats, threads=args.threads, device=args.device,
+                                clock=args.clock)))
         return
 
     sizes = args.sizes or ([10**5] if args.quick else [10**6, 10**7])
     tensor_counts, buffer_counts = ((1, 20), (4,)) if args.quick else ((1, 200), (4, 8))
     peers = [] if args.peers == "none" or args.quick or args.device != "cpu" else list(PEERS)
-    header = f"{'d':>9} {'tensors':>7} {'B':>2} | {'floor ms':>9} {'opake ms':>9} {'ratio':>6} {'extra mem':>9}"
+    header = (f"{'d':>9} {'tensors':>7} {'B':>2} | {'floor ms':>9} {'opake ms':>9} {'ratio':>6} {'keyed ms':>9} "
+              f"{'/keyed':>6} {'extra mem':>9}")
     for name in peers:
         header += f" | {name + ' ms':>16} {'ours/peer':>9}"
     print(f"device: {args.device}; threads per process: {args.threads or 'library default'}; "
-          f"best of {args.repeats} steps")
+          f"best of {args.repeats} steps ({args.clock} clock); load average {os.getloadavg()[0]:.1f}")
+    print("ratio: opake / floor (randn + one pass over the buffers); /keyed: opake / keyed floor "
+          "(keyed draws + BLT update + gradient add)")
     print("extra mem: peak torch allocations during a step, in float32 d-vectors (target <= 1)")
     print(header)
     print("-" * len(header))
@@ -224,8 +287,10 @@ def main() -> None:
             for buffers in buffer_counts:
                 result = run_worker(args, elements, tensors, buffers)
                 ratio = result["engine"] / result["floor"]
-                line = (f"{elements:>9.0e} {tensors:>7} {buffers:>2} | {1e3 * result['floor']:>9.1f} "
-                        f"{1e3 * result['engine']:>9.1f} {ratio:>6.2f} {result['extra_vectors']:>9.2f}")
+                keyed_ratio = result["engine"] / result["keyed"]
+                line = (f"{elements:>9.0e} {tensors:>7} {buffers:>2} | {1e3 * result['floor']:>9.2f} "
+                        f"{1e3 * result['engine']:>9.2f} {ratio:>6.2f} {1e3 * result['keyed']:>9.2f} "
+                        f"{keyed_ratio:>6.2f} {result['extra_vectors']:>9.2f}")
                 for name in peers:
                     if args.peers == "single" and tensors != 1:
                         line += f" | {'(--peers all)':>16} {'':>9}"

@@ -25,8 +25,20 @@ passes: a matrix-vector product and a broadcast multiply-add, see ``engine.strea
 cache-blocked when single-threaded, see ``columns_per_advance``), and
 finally overwritten by ``gradient + scale * x``. Python loops run over leaves, noise blocks and
 cache blocks only, never over elements. The step plan (which stretch of the output and the
-buffers each leaf uses) depends only on the template and the compute dtype and is computed
-once (``engine.segments``).
+buffers each leaf uses, and how the columns are cut for the inverse) depends only on the
+template and the compute dtype and is computed once (``engine.segments``).
+
+Many tensors. What a step does per tensor is kept to what the contract requires: one keyed
+draw per noise block (z is a pure function of key, step, path and element index, so each block
+seeds its own generator, ``engine.draws``) and one ``gradient + scale * x`` (into the leaf's
+output view; the gradients are separate tensors and the memory target leaves no room to gather
+them next to x). Everything else is batched: the structure, shape, device, dtype and layout
+checks are whole-list comparisons (the leaf-by-leaf walk runs only to name an offender); the
+NaN/inf check of many small leaves gathers them into the output vector (free until the draws)
+with one op and decides with one reduction and one host sync (``_check_finite``); the output
+views come from one op per output vector; the buffer columns of many small leaves advance in
+one inverse call per cache-sized stretch; the BLT's per-step scalars come from a table
+computed once per 64 steps (``engine.streaming``).
 
 Purity. The returned state takes over the buffers (updated in place) and the state passed in
 is retired: using it again raises ``RetiredStateError`` instead of giving different noise.
@@ -60,10 +72,10 @@ import math
 
 import torch
 
-from opake.dpftrl.noise.engine.draws import BLOCK_ELEMENTS, BlockSampler, PerDrawKey
+from opake.dpftrl.noise.engine.draws import BlockSampler, PerDrawKey
 from opake.dpftrl.noise.engine.layout import Layout, path_text
 from opake.dpftrl.noise.engine.pages import OutputVectors
-from opake.dpftrl.noise.engine.segments import plan_step
+from opake.dpftrl.noise.engine.segments import plan_step, stretches
 from opake.dpftrl.noise.engine.state import check_state_for, NoiseState
 from opake.dpftrl.noise.engine.variance import step_noise_variance
 from opake.dpftrl.noise.engine.streaming import streaming_inverse
@@ -80,6 +92,7 @@ _COMPUTE_DTYPES = (torch.float32, torch.float64)
 # Gradient and template dtypes the step supports end to end (draws, finiteness check, the mixed
 # add): float8 and other exotic floating types fail inside torch's kernels, after the checks.
 _GRADIENT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_GRADIENT_DTYPES_SET = frozenset(_GRADIENT_DTYPES)
 _CAST_PIECE = 2**16
 _CPU_CHUNK = 2**16
 
@@ -114,6 +127,29 @@ def add_noise(gradient: torch.Tensor, x: torch.Tensor, out: torch.Tensor, scale:
         size = min(_CAST_PIECE, length - begin)
         torch.add(gradient.narrow(0, begin, size), x.narrow(0, begin, size), alpha=scale,
                   out=out.narrow(0, begin, size))
+
+
+# torch's C++ loop that cuts a flat tensor into views shaped like a list of tensors (behind
+# torch._utils._unflatten_dense_tensors); absent, the views are made one by one.
+_UNFLATTEN = getattr(getattr(torch._C, "_nn", None), "unflatten_dense_tensors", None)
+
+
+def _views_of(flat: torch.Tensor, sizes: tuple, shapes) -> list:
+    """Consecutive views of ``flat``: 1-D of ``sizes`` (``shapes`` None), else shaped like the
+    tensors in ``shapes`` (meta tensors, only their shapes are read)."""
+    if shapes is None:
+        return list(flat.split(sizes))
+    if _UNFLATTEN is not None:
+        return list(_UNFLATTEN(flat, shapes))
+    return [piece.view(shape.shape) for piece, shape in zip(flat.split(sizes), shapes)]
+
+
+def _finite_probe(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor whose sum is NaN or +-inf when ``tensor`` has a NaN or inf (see
+    ``CorrelatedNoise._check_finite``): its sum for float32/64 (0-d), else its min and max."""
+    if tensor.dtype in (torch.float32, torch.float64):
+        return tensor.sum()
+    return torch.stack(torch.aminmax(tensor))
 
 
 def check_dense_gradient(where: str, leaf: torch.Tensor) -> None:
@@ -172,6 +208,14 @@ class CorrelatedNoise:
         self._samplers = PerDrawKey(key, lambda draw_key: BlockSampler(draw_key, self.device))
         self._fingerprint = str(getattr(mechanism, "fingerprint", ""))
         self._plan = plan_step(layout, dtype)
+        self._cuts: dict = {}  # (segment number, chunk) -> its stretches
+        self._all_flat = all(len(slot.shape) == 1 for slot in layout.leaves)
+        self._view_groups = tuple(
+            (dtype, members, sizes,
+             None if all(len(layout.leaves[index].shape) == 1 for index in members) else
+             [torch.empty(layout.leaves[index].shape, device="meta") for index in members])
+            for dtype, members, sizes in self._plan.output_groups
+        )
         self._outputs = OutputVectors(self.device)
 
     def check_accounted_by(self, process) -> None:
@@ -198,41 +242,56 @@ class CorrelatedNoise:
         check_state_for(self, state, mechanism=self._fingerprint, layout=self.layout.fingerprint,
                         columns=self.size, returned_by="mf_gaussian_noise or by the previous noise_fn call")
 
-    def _check_gradients(self, clipped) -> list[torch.Tensor]:
+    def _check_gradients(self, clipped) -> tuple[list[torch.Tensor], set]:
+        """The gradient leaves and the set of their (dtype, layout, contiguous) kinds."""
         if not isinstance(clipped, ClippedPytree):
             raise InvalidTypeError(
                 f"noise_fn needs an opake.types.ClippedPytree, which carries the L2 bound that "
                 f"scales the noise; got {type(clipped).__name__}. Wrap gradients you clipped "
                 f"yourself with opake.types.clipped(pytree, l2_bound=..., normalization=...)"
             )
-        leaves = self.layout.flatten_gradients(clipped.pytree)
-        for slot, leaf in zip(self.layout.leaves, leaves):
-            check_dense_gradient(path_text(slot.path), leaf)
-        # Finiteness with one reduction per leaf and no d-sized temporary. For float32/64 a
-        # sum is NaN or +-inf when an element is, and otherwise finite unless it overflows,
-        # which only sends us to the exact check below; one sync per dtype. Half-precision
-        # sums would first cast the leaf to float32 (a temporary), so those leaves use their
-        # min and max, which are NaN or +-inf exactly when an element is.
-        finite = True
-        for dtype in {leaf.dtype for leaf in leaves}:
-            group = [leaf for leaf in leaves if leaf.dtype == dtype and leaf.numel()]
-            if not group:
-                continue
-            if dtype in (torch.float32, torch.float64):
-                reduced = [leaf.sum() for leaf in group]
+        leaves, kinds = self.layout.flatten_gradients_with_kinds(clipped.pytree)
+        # One look at the set of kinds; the leaf-by-leaf walk only to name an offender.
+        if not all(layout == torch.strided and dtype in _GRADIENT_DTYPES_SET for dtype, layout, _ in kinds):
+            for slot, leaf in zip(self.layout.leaves, leaves):
+                check_dense_gradient(path_text(slot.path), leaf)
+        return leaves, kinds
+
+    def _check_finite(self, leaves: list, kinds: set, outputs: list, flats: dict) -> None:
+        """Refuse NaN or inf gradients with one host sync, before any buffer is written.
+
+        Many small leaves (the cost is then one op per leaf, not the data): they are gathered
+        into this step's output vectors (free until the draws; one ``torch.cat`` when every leaf
+        is 1-D and in the output's dtype, else one ``_foreach_copy_``) and one reduction per
+        vector decides. Large leaves: one reduction per leaf, no copy. For float32/64 the
+        reduction is a sum, NaN or +-inf when an element is, and otherwise finite unless it
+        overflows, which only sends us to the exact check; float16/bfloat16 use min and max (no
+        float32 temporary), NaN or +-inf exactly when an element is. A leaf copied into a
+        narrower output dtype can only turn a finite value into inf, which also sends us to the
+        exact check. No d-sized temporary either way.
+        """
+        if self._plan.gather_check:
+            flat = next(iter(flats.values()))
+            if self._all_flat and len(flats) == 1 and kinds == {(flat.dtype, torch.strided, True)}:
+                torch.cat(leaves, out=flat)
             else:
-                reduced = [value for leaf in group for value in torch.aminmax(leaf)]
-            if not math.isfinite((reduced[0] if len(reduced) == 1 else torch.stack(reduced).sum()).item()):
-                finite = False
-        if not finite:
-            bad = [path_text(slot.path) for slot, leaf in zip(self.layout.leaves, leaves)
-                   if leaf.numel() and not all(math.isfinite(v.item()) for v in torch.aminmax(leaf))]
-            if bad:
-                raise InvalidArgumentError(
-                    f"the gradients contain NaN or inf (in {bad}); noise cannot make them "
-                    f"private. Check the loss and the clipping before calling noise_fn"
-                )
-        return leaves
+                torch._foreach_copy_(outputs, leaves)
+            probes = [_finite_probe(flat) for flat in flats.values() if flat.numel()]
+        else:
+            probes = [_finite_probe(leaf) for leaf in leaves if leaf.numel()]
+        if not probes:
+            return
+        probe = probes[0] if len(probes) == 1 else torch.cat([probe.reshape(-1) for probe in probes])
+        if math.isfinite((probe.sum() if probe.dim() else probe).item()):
+            return
+        # Exact check, leaf by leaf (only after the probe failed): name the offending leaves.
+        bad = [path_text(slot.path) for slot, leaf in zip(self.layout.leaves, leaves)
+               if leaf.numel() and not all(math.isfinite(v.item()) for v in torch.aminmax(leaf))]
+        if bad:
+            raise InvalidArgumentError(
+                f"the gradients contain NaN or inf (in {bad}); noise cannot make them "
+                f"private. Check the loss and the clipping before calling noise_fn"
+            )
 
     # -- the step -----------------------------------------------------------------------------
 
@@ -242,11 +301,13 @@ class CorrelatedNoise:
 
     def _step(self, clipped: ClippedPytree, state: NoiseState) -> tuple[NoisedPytree, NoiseState]:
         self._check_state(state)
-        leaves = self._check_gradients(clipped)
+        leaves, kinds = self._check_gradients(clipped)
         scale = self.noise_multiplier * clipped.l2_bound / clipped.normalization
         plan = self._plan
         # Allocate before touching the buffers: an out-of-memory error leaves them intact.
         flats = {dtype: self._outputs.get(dtype, total) for dtype, total in plan.totals}
+        outputs = self._output_views(flats)
+        self._check_finite(leaves, kinds, outputs, flats)
         scratch = None
         if plan.scratch_length:
             scratch = torch.empty(plan.scratch_length, dtype=self.dtype, device=self.device)
@@ -254,106 +315,111 @@ class CorrelatedNoise:
         storage, step = state._storage, state.step
         storage.step = -1
         try:
-            self._advance(plan, leaves, flats, scratch, storage.buffers, step, scale, sampler)
+            self._advance(leaves, kinds, outputs, flats, scratch, storage.buffers, step, scale, sampler)
         except BaseException:
             storage.corrupted_at = step
             raise
         storage.step = step
-        outputs = [None] * len(leaves)
-        for dtype, members, sizes in plan.output_groups:
-            for index, piece in zip(members, flats[dtype].split(sizes)):
-                shape = self.layout.leaves[index].shape
-                outputs[index] = piece if piece.shape == shape else piece.view(shape)
         return (NoisedPytree(pytree=self.layout.treespec.unflatten(outputs), step=step,
                              noise_variance=step_noise_variance(self.mechanism, step, scale)), state.advanced())
 
-    def _advance(self, plan, leaves, flats, scratch, buffers, step: int, scale: float, sampler) -> None:
-        """Fill x with z, turn it into x_t, fold it into the buffers, write gradient + scale x."""
-        gradients = [leaf if leaf.dim() == 1 else leaf.reshape(-1) for leaf in leaves]
+    def _output_views(self, flats: dict) -> list:
+        """Per leaf, its stretch of this step's output in the leaf's shape: the leaves of the
+        returned pytree. One op per output vector: a split when every leaf is 1-D, else torch's
+        ``unflatten_dense_tensors`` (views shaped like the template, made in one C++ loop)."""
+        groups = self._view_groups
+        if len(groups) == 1:
+            (dtype, _, sizes, shapes), = groups
+            return _views_of(flats[dtype], sizes, shapes)
+        outputs = [None] * len(self.layout.leaves)
+        for dtype, members, sizes, shapes in groups:
+            for index, piece in zip(members, _views_of(flats[dtype], sizes, shapes)):
+                outputs[index] = piece
+        return outputs
+
+    def _stretches(self, number: int, segment, chunk):
+        found = self._cuts.get((number, chunk))
+        if found is None:
+            found = self._cuts[(number, chunk)] = stretches(segment, self.layout, chunk)
+        return found
+
+    def _advance(self, leaves, kinds, outputs, flats, scratch, buffers, step: int, scale: float, sampler) -> None:
+        """Fill x with z, turn it into x_t, fold it into the buffers, write gradient + scale x.
+
+        For each segment: all its draws first (measured faster than drawing between the
+        stretches, whose dirty buffer lines the draws would then write back), then its
+        stretches (see ``segments.stretches``) go through the inverse and the final adds.
+        Single-threaded on a CPU the stretches are cache-sized (``columns_per_advance``), so
+        the adds read x while it is in cache; elsewhere a segment is one stretch.
+
+        A whole leaf whose gradient is contiguous and in the compute dtype is added in the
+        leaf's shape, straight into its output view (no view of the gradient is made); any
+        other add goes 1-D through ``add_noise``, on a flattened copy (``reshape``) of a
+        gradient of two or more dimensions, as the values were always formed.
+        """
         chunk = columns_per_advance(self.device)
         coefficients = self.inverse.at_step(self._coefficients, step)  # once, for every stretch
-        for segment in plan.segments:
+        advance = self.inverse.advance
+        fill = sampler.fill
+        add = torch.add
+        plain = kinds == {(self.dtype, torch.strided, True)}  # every leaf: the one-op add
+        flattened: dict[int, torch.Tensor] = {}
+
+        def flat_gradient(index: int) -> torch.Tensor:
+            gradient = flattened.get(index)
+            if gradient is None:
+                leaf = leaves[index]
+                gradient = flattened[index] = leaf if leaf.dim() == 1 else leaf.reshape(-1)
+            return gradient
+
+        def flat_output(index: int) -> torch.Tensor:
+            output = outputs[index]
+            return output if output.dim() == 1 else output.view(-1)
+
+        def add_whole(index: int, noise: torch.Tensor | None) -> None:
+            leaf = leaves[index]
+            if noise is None and leaf.dtype == self.dtype and leaf.is_contiguous():
+                out = outputs[index]
+                add(leaf, out, alpha=scale, out=out)
+            else:
+                out = flat_output(index)
+                add_noise(flat_gradient(index), out if noise is None else noise, out, scale)
+
+        for number, segment in enumerate(self._plan.segments):
             if segment.direct:
                 x = flats[segment.output_dtype].narrow(0, segment.output_offset, segment.length)
+                for index, block, code, begin, length, whole in segment.draws:        # x <- z
+                    # A whole leaf's output view is contiguous: normal_ fills it in memory order.
+                    fill(outputs[index] if whole else flat_output(index).narrow(0, begin, length), step, code, block)
             else:
                 x = scratch if scratch.numel() == segment.length else scratch.narrow(0, 0, segment.length)
-            if chunk is None:
-                self._advance_whole(segment, x, gradients, flats, buffers, step, scale, coefficients, sampler)
-            else:
-                self._advance_blocked(segment, x, gradients, flats, buffers, step, scale, coefficients, chunk,
-                                      sampler)
-
-    def _advance_whole(self, segment, x, gradients, flats, buffers, step, scale, coefficients, sampler) -> None:
-        """Few large ops (for several threads or a GPU): all draws, one inverse call, the adds."""
-        slots = self.layout.leaves
-        pieces = x.split(segment.draw_lengths) if len(segment.draws) > 1 else (x,)
-        for (index, block), piece in zip(segment.draws, pieces):
-            sampler.fill(piece, step, slots[index].code, block)                       # x <- z
-        columns = buffers.narrow(1, segment.column, segment.length)
-        self.inverse.advance(x, columns, coefficients)                               # x <- (C^{-1} z)_t
-        if segment.direct:
-            # x is the output: overwrite each leaf's stretch with gradient + scale * x.
-            outs = x.split([length for _, _, length, _ in segment.adds]) if len(segment.adds) > 1 else (x,)
-            for (index, _, _, _), out in zip(segment.adds, outs):
-                add_noise(gradients[index], out, out, scale)
-        else:
-            (index, leaf_begin, length, output_offset), = segment.adds
-            out = flats[segment.output_dtype].narrow(0, output_offset, length)
-            add_noise(gradients[index].narrow(0, leaf_begin, length), x, out, scale)
-
-    def _advance_blocked(self, segment, x, gradients, flats, buffers, step, scale, coefficients, chunk,
-                         sampler) -> None:
-        """Cache-blocked (single-threaded CPU): all draws first (measured faster than drawing
-        between the stretches, whose dirty buffer lines the draws would then write back), then
-        stretches of about ``chunk`` columns go through the inverse and the final add while in
-        cache. A noise block longer than ``chunk`` is cut into chunks; shorter ones (small
-        leaves) are grouped until they fill one, so a model of many small tensors still makes
-        one inverse call per chunk. Views come from one ``split`` per segment (per-view
-        ``narrow`` calls cost more than the small leaves' arithmetic)."""
-        slots = self.layout.leaves
-        pieces = x.split(segment.draw_lengths) if len(segment.draws) > 1 else (x,)
-        pending = []        # (gradient, x, out) views awaiting the inverse, in order along x
-        pending_start = 0   # where the pending stretch starts in x
-
-        def finish(stop: int) -> None:
-            # Inverse over x[pending_start:stop], then gradient + scale * x for its views.
-            length = stop - pending_start
-            self.inverse.advance(x.narrow(0, pending_start, length),
-                                 buffers.narrow(1, segment.column + pending_start, length),
-                                 coefficients)                                      # x <- (C^{-1} z)_t
-            for gradient, x_part, out in pending:
-                add_noise(gradient, x_part, out, scale)
-            pending.clear()
-
-        for (index, block), piece in zip(segment.draws, pieces):
-            sampler.fill(piece, step, slots[index].code, block)                      # x <- z
-        start = 0  # where the current noise block starts in x
-        for (index, block), piece in zip(segment.draws, pieces):
-            length = piece.numel()
-            gradient = gradients[index]
-            if length != gradient.numel():
-                gradient = gradient.narrow(0, block * BLOCK_ELEMENTS, length)
-            if segment.direct:
-                out = piece
-            else:
-                out = flats[segment.output_dtype].narrow(0, segment.output_offset + start, length)
-            if length >= chunk:
-                if pending:
-                    finish(start)
-                parts = zip(gradient.split(chunk), piece.split(chunk), out.split(chunk))
-                for number, part in enumerate(parts):
-                    pending_start = start + number * chunk
-                    pending.append(part)
-                    finish(pending_start + part[1].numel())
-            else:
-                if not pending:
-                    pending_start = start
-                pending.append((gradient, piece, out))
-                if start + length - pending_start >= chunk:
-                    finish(start + length)
-            start += length
-        if pending:
-            finish(start)
+                (index, block, code, _, _, _), = segment.draws
+                fill(x, step, code, block)                                            # x <- z
+            cut = self._stretches(number, segment, chunk)
+            columns = buffers.narrow(1, segment.column, segment.length)
+            if len(cut.lengths) == 1:
+                parts, column_parts = (x,), (columns,)
+            else:  # one split each instead of a narrow per stretch
+                parts, column_parts = x.split(cut.lengths), columns.split(cut.lengths, 1)
+            for part, column_part, (first, stop), partial in zip(parts, column_parts, cut.wholes, cut.partial):
+                advance(part, column_part, coefficients)                              # x <- (C^{-1} z)_t
+                if not segment.direct:
+                    if partial is None:
+                        add_whole(first, part)
+                    else:
+                        index, leaf_begin, length = partial
+                        add_noise(flat_gradient(index).narrow(0, leaf_begin, length), part,
+                                  flat_output(index).narrow(0, leaf_begin, length), scale)
+                elif partial is not None:  # a part of a large leaf: the whole stretch
+                    index, leaf_begin, length = partial
+                    add_noise(flat_gradient(index).narrow(0, leaf_begin, length), part, part, scale)
+                elif plain:
+                    for index in range(first, stop):
+                        out = outputs[index]
+                        add(leaves[index], out, alpha=scale, out=out)
+                else:
+                    for index in range(first, stop):
+                        add_whole(index, None)
 
 
 def mf_gaussian_noise(

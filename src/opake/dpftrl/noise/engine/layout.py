@@ -7,6 +7,7 @@ shapes, dtypes, the device and paths are kept, never the template's tensors.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass
 
@@ -17,6 +18,12 @@ from opake.dpftrl.noise.engine.draws import BLOCK_ELEMENTS, path_code
 from opake.errors import InvalidArgumentError, InvalidTypeError
 
 __all__ = ["Layout", "LeafSlot"]
+
+
+def _kind(leaf: torch.Tensor) -> tuple:
+    """(dtype, layout, contiguous) of a gradient leaf (sparse layouts are never contiguous)."""
+    layout = leaf.layout
+    return leaf.dtype, layout, layout == torch.strided and leaf.is_contiguous()
 
 
 def path_text(path: tuple) -> str:
@@ -82,12 +89,37 @@ class Layout:
             )
         return cls(treespec, tuple(slots), offset, devices.pop(), digest.hexdigest()[:32])
 
+    @functools.cached_property
+    def shapes(self) -> list:
+        """The leaves' shapes, in layout order (a list, compared in one step by the checks)."""
+        return [slot.shape for slot in self.leaves]
+
     def flatten_gradients(self, pytree) -> list[torch.Tensor]:
         """The gradient leaves in layout order, after checking them against the template.
 
         Raises ValueError for a different structure, shape or device and TypeError for
         non-tensor or non-floating leaves; reads no tensor data.
         """
+        return self.flatten_gradients_with_kinds(pytree)[0]
+
+    def flatten_gradients_with_kinds(self, pytree) -> tuple[list[torch.Tensor], set]:
+        """``flatten_gradients``, and the set of the leaves' (dtype, layout, contiguous) kinds.
+
+        The common case (everything matches) is checked with a few whole-list operations; only
+        when one fails does the leaf-by-leaf walk run, to name the first offending leaf.
+        """
+        leaves, treespec = optree.tree_flatten(pytree)
+        if (treespec == self.treespec
+                and all(isinstance(leaf, torch.Tensor) for leaf in leaves)
+                and [leaf.shape for leaf in leaves] == self.shapes):
+            devices = {leaf.device for leaf in leaves}
+            kinds = {_kind(leaf) for leaf in leaves}
+            if devices == {self.device} and all(dtype.is_floating_point for dtype, _, _ in kinds):
+                return leaves, kinds
+        leaves = self._flatten_gradients_checked(pytree)
+        return leaves, {_kind(leaf) for leaf in leaves}
+
+    def _flatten_gradients_checked(self, pytree) -> list[torch.Tensor]:
         paths, leaves, treespec = optree.tree_flatten_with_path(pytree)
         if treespec != self.treespec:
             expected = {path_text(slot.path) for slot in self.leaves}

@@ -141,32 +141,26 @@ class BufferedInverse:
                 f"dtype=torch.float64"
             )
 
-    def coefficients(self, dtype: torch.dtype, device: torch.device) -> tuple:
-        """(dtype, device, omega, log theta, periods): the float64 data every step's scalars
-        come from (no tensors: the per-step ones are made by :meth:`at_step`)."""
+    def coefficients(self, dtype: torch.dtype, device: torch.device) -> _BLTScalars:
+        """The float64 data every step's scalars come from, and a table of the scalars of
+        ``_WINDOW`` consecutive steps, filled on demand by :meth:`at_step`."""
         one_minus_theta = np.asarray(self.one_minus_theta)
         with np.errstate(divide="ignore"):
             log_theta = np.log1p(-one_minus_theta)  # -inf for theta = 0
-        return dtype, device, np.asarray(self.omega), log_theta, renormalization_periods(one_minus_theta)
+        return _BLTScalars(dtype, device, np.asarray(self.omega), log_theta, renormalization_periods(one_minus_theta))
 
-    def at_step(self, coefficients: tuple, step: int) -> tuple:
+    def at_step(self, coefficients: _BLTScalars, step: int) -> tuple:
         """(read, renormalize, add) for step ``step`` (see the class docstring):
 
         - ``read``: (B,) tensor, omega_i theta_i^(t-1-e_i(t-1)), the weights of the stored R(t-1);
         - ``renormalize``: ((row, theta_row^K_row), ...) for the buffers whose epoch starts at t;
         - ``add``: (B, 1) tensor, theta_i^-(t-e_i(t)), the weight of x_t in the new R_i(t).
+
+        Computed for ``_WINDOW`` steps at once (one set of numpy and host-to-device operations
+        instead of one per step); every value is elementwise the same computation as for a
+        single step, so the window changes no bit.
         """
-        dtype, device, omega, log_theta, periods = coefficients
-        previous = max(step - 1, 0)
-        read_power = previous - previous // periods * periods          # (t-1) - e_i(t-1)
-        add_power = step - step // periods * periods                   # t - e_i(t)
-        rows = np.flatnonzero(step % periods == 0) if step else np.zeros(0, dtype=np.int64)
-        # Python floats: torch rounds a scalar once to the buffers' dtype, on every device.
-        renormalize = tuple(zip(rows.tolist(), _powers(log_theta[rows], periods[rows]).tolist()))
-        read = omega * _powers(log_theta, read_power)
-        add = _powers(log_theta, -add_power)
-        return (torch.tensor(read, dtype=dtype, device=device), renormalize,
-                torch.tensor(add, dtype=dtype, device=device).reshape(-1, 1))
+        return coefficients.at(step)
 
     def advance(self, x: torch.Tensor, buffers: torch.Tensor, step_coefficients: tuple) -> None:
         """One step on a stretch of columns: x holds z_t on entry and x_t on exit; ``buffers``
@@ -263,11 +257,59 @@ def renormalization_periods(one_minus_theta) -> np.ndarray:
 
 
 def _powers(log_theta: np.ndarray, exponents) -> np.ndarray:
-    """theta_i ** k_i in float64 from log(theta_i), with theta ** 0 = 1 also for theta = 0."""
-    exponents = np.broadcast_to(np.asarray(exponents, dtype=np.float64), log_theta.shape)
+    """theta_i ** k_i in float64 from log(theta_i), with theta ** 0 = 1 also for theta = 0
+    (``exponents`` broadcast against ``log_theta``: one row of k_i per step, or several)."""
+    exponents = np.asarray(exponents, dtype=np.float64)
+    exponents = np.broadcast_to(exponents, np.broadcast_shapes(exponents.shape, log_theta.shape))
     with np.errstate(invalid="ignore"):
         values = np.exp(exponents * log_theta)
     return np.where(exponents == 0, 1.0, values)
+
+
+_WINDOW = 64
+"""Steps whose BLT scalars are computed together."""
+
+
+class _BLTScalars:
+    """A BLT's per-step scalars (``BufferedInverse.at_step``), ``_WINDOW`` steps at a time.
+
+    Holds the float64 data they come from (omega, log theta, the renormalization periods and
+    theta_i^K_i) and the table of the current window: ``read`` (W, B) and ``add`` (W, B, 1) in
+    the compute dtype on the device, and the renormalizations due at each step. Step t's
+    scalars are rows of the table: the numpy work, the rounding to the compute dtype and the
+    copy to the device happen once per window instead of once per step. The window is one
+    tuple, replaced whole, so concurrent steps of one engine never see half of one.
+    """
+
+    __slots__ = ("dtype", "device", "omega", "log_theta", "periods", "factors", "window")
+
+    def __init__(self, dtype, device, omega, log_theta, periods):
+        self.dtype, self.device = dtype, device
+        self.omega, self.log_theta, self.periods = omega, log_theta, periods
+        self.factors = _powers(log_theta, periods)  # theta_i^K_i: a renormalization's factor
+        self.window = None  # (first step, read, renormalize, add)
+
+    def at(self, step: int) -> tuple:
+        window = self.window
+        if window is None or not 0 <= step - window[0] < _WINDOW:
+            window = self.window = self._table(step)
+        offset = step - window[0]
+        return window[1][offset], window[2][offset], window[3][offset]
+
+    def _table(self, start: int) -> tuple:
+        periods, log_theta = self.periods, self.log_theta
+        steps = np.arange(start, start + _WINDOW, dtype=np.int64)[:, None]
+        previous = np.maximum(steps - 1, 0)
+        read_power = previous - previous // periods * periods          # (t-1) - e_i(t-1)
+        add_power = steps - steps // periods * periods                 # t - e_i(t)
+        due_steps, due_rows = np.nonzero((steps % periods == 0) & (steps > 0))
+        renormalize = [[] for _ in range(_WINDOW)]
+        # Python floats: torch rounds a scalar once to the buffers' dtype, on every device.
+        for offset, row, factor in zip(due_steps.tolist(), due_rows.tolist(), self.factors[due_rows].tolist()):
+            renormalize[offset].append((row, factor))
+        read = torch.tensor(self.omega * _powers(log_theta, read_power), dtype=self.dtype, device=self.device)
+        add = torch.tensor(_powers(log_theta, -add_power), dtype=self.dtype, device=self.device).unsqueeze(-1)
+        return start, read, [tuple(rows) for rows in renormalize], add
 
 
 def streaming_inverse(mechanism):
