@@ -99,3 +99,50 @@ def test_unsupported_inputs_are_refused_with_the_fix():
         layer(packed)
     with pytest.raises(UnsupportedRecurrentInputError, match=r"proj_size=2.*nn.Linear"):
         DPLSTM(5, 4, proj_size=2)
+
+
+class _SequenceFirstTagger(nn.Module):
+    """(T, B) tokens -> (B, 2): an Embedding and a DPLSTM with batch_first=False, a Linear on h_n."""
+
+    def __init__(self, kind):
+        super().__init__()
+        torch.manual_seed(4)
+        self.emb = nn.Embedding(12, 5)
+        self.rnn = kind(5, 6, num_layers=2, batch_first=False)
+        self.head = nn.Linear(6, 2)
+
+    def forward(self, tokens):
+        _, state = self.rnn(self.emb(tokens))
+        hidden = state[0] if isinstance(state, tuple) else state
+        return self.head(hidden[-1])
+
+
+@pytest.mark.parametrize("kind", [DPLSTM, DPGRU, DPRNN])
+def test_batch_first_false_in_opacus_make_private_clips_each_sequence(kind):
+    import warnings
+
+    from opake.torch import PrivacyEngine
+
+    tokens = torch.randint(0, 12, (32, 7), generator=torch.Generator().manual_seed(0))
+    labels = torch.randint(0, 2, (32,), generator=torch.Generator().manual_seed(1))
+    collate = (lambda rows: (torch.stack([r[0] for r in rows]).transpose(0, 1), torch.stack([r[1] for r in rows])))
+    model = _SequenceFirstTagger(kind)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, optimizer, loader = PrivacyEngine().make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), noise_multiplier=0.0,
+            data_loader=torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens, labels), batch_size=8,
+                                                    collate_fn=collate),
+            max_grad_norm=0.05, batch_first=False, poisson_sampling=False)
+    x, y = next(iter(loader))
+    optimizer.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    optimizer.step()
+    plain = _SequenceFirstTagger(kind)                       # the same weights, no hooks
+    own = [torch.autograd.grad(F.cross_entropy(plain(x[:, i:i + 1]), y[i:i + 1]), list(plain.parameters()))
+           for i in range(x.shape[1])]
+    norms = [torch.sqrt(sum(g.square().sum() for g in grads)) for grads in own]
+    for index, p in enumerate(model.parameters()):
+        torch.testing.assert_close(p.grad_sample, torch.stack([grads[index] for grads in own]), rtol=1e-4, atol=1e-6)
+        clipped = sum(min(1.0, 0.05 / float(n)) * grads[index] for n, grads in zip(norms, own))
+        torch.testing.assert_close(p.summed_grad, clipped, rtol=1e-4, atol=1e-7)

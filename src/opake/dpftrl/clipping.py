@@ -92,7 +92,8 @@ from opake.errors import InvalidArgumentError, InvalidTypeError, OpakeError
 from opake.types import ClippedPytree
 
 __all__ = ["CLIPPING_MODES", "AutomaticClipping", "ClipState", "ClippingRuleError", "FlatClipping", "LossShapeError",
-           "NonFiniteGradientError", "automatic_factors", "clip_factors", "clipped_grad", "clipping_rule"]
+           "NonFiniteGradientError", "PerLayerClipping", "automatic_factors", "clip_factors", "clipped_grad",
+           "clipping_rule"]
 
 NONFINITE_MODES = ("raise", "zero")
 CLIPPING_MODES = ("flat", "automatic")
@@ -373,6 +374,69 @@ class AutomaticClipping:
 
     def factors(self, norms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return automatic_factors(norms, self.max_grad_norm, self.stability)
+
+
+@dataclass(frozen=True)
+class PerLayerClipping:
+    """Per-layer clipping: each unit's gradient of parameter p scaled by ``min(1, C_p / ||g_p||)``,
+    every parameter on its own (Opacus' ``clipping="per_layer"``, one bound per parameter).
+
+    ``bounds`` is ``((name, C_p), ...)``, one entry per trainable parameter, by its model-wide name
+    (``named_parameters()``), each C_p > 0 and finite. One unit's scaled gradient then has, over all
+    parameters together, a norm of at most ``sqrt(sum_p C_p^2)``: that is ``sensitivity``, the
+    bound the noise is scaled to and every accountant prices, exactly as flat clipping at that
+    bound (the factors only make each part smaller). ``factors_by_name`` takes the (B,) norms of
+    every parameter and returns each parameter's (B,) factors and the mask of units scaled down in
+    any parameter. Per-example clipping by hooks (``opake.torch.per_example``) applies it;
+    ``clipped_grad`` clips flat over all parameters and refuses it.
+    """
+
+    bounds: tuple
+    mode: ClassVar[str] = "per_layer"
+    per_parameter: ClassVar[bool] = True
+
+    def __post_init__(self):
+        pairs = tuple(self.bounds.items()) if isinstance(self.bounds, dict) else tuple(self.bounds)
+        if not pairs:
+            raise ClippingRuleError("per-layer clipping needs one bound per trainable parameter; none was given")
+        checked = []
+        for pair in pairs:
+            if not (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], str)):
+                raise InvalidTypeError(f"bounds must be (parameter name, bound) pairs, got {pair!r}")
+            checked.append((pair[0], positive_finite(f"the bound of {pair[0]!r}", pair[1])))
+        names = [name for name, _ in checked]
+        if len(set(names)) != len(names):
+            raise ClippingRuleError(f"per-layer bounds name a parameter twice: {sorted(names)}")
+        object.__setattr__(self, "bounds", tuple(checked))
+
+    @property
+    def names(self) -> tuple:
+        return tuple(name for name, _ in self.bounds)
+
+    @property
+    def sensitivity(self) -> float:
+        return math.sqrt(math.fsum(bound * bound for _, bound in self.bounds))
+
+    @property
+    def description(self) -> str:
+        return "per_layer(" + ", ".join(f"{name}={bound!r}" for name, bound in self.bounds) + ")"
+
+    def factors_by_name(self, norms: dict) -> tuple[dict, torch.Tensor]:
+        """Per parameter name in ``norms`` (those a pass reached), the (B,) factors ``min(1, C_p / norm)``
+        for its (B,) norms; and the (B,) mask of the units scaled down in at least one parameter."""
+        bounds = dict(self.bounds)
+        factors, clipped = {}, None
+        for name, norm in norms.items():
+            factors[name], scaled = clip_factors(norm, bounds[name])
+            clipped = scaled if clipped is None else clipped | scaled
+        return factors, clipped
+
+    def factors(self, norms: torch.Tensor):
+        raise ClippingRuleError(
+            "per-layer clipping scales each parameter's gradient by its own norm, which a norm over all "
+            "parameters together cannot give: it is applied by opake.torch's per-example hooks "
+            "(PrivacyEngine.make_private(clipping='per_layer')), not by clipped_grad; clip flat here"
+        )
 
 
 def clipping_rule(rule, name: str = "max_grad_norm", mode: str | None = None):

@@ -14,6 +14,12 @@ against a loop of batch-size-1 backward passes, tests/torch/test_recurrent.py).
 (same outputs); ``fix_model`` uses it. Not supported: ``PackedSequence`` inputs and
 ``proj_size`` (refused with the fix). The per-step Python loop costs speed against the fused
 kernel: these layers are for privacy, not for throughput.
+
+``batch_first=False`` (nn.LSTM's default): the input is (T, B, features) and is transposed before
+the gates, which always see (B, features); a sequence-first model is made private with Opacus'
+``PrivacyEngine.make_private(batch_first=False)``, under which the clipper reads the model's other
+layers (an ``nn.Embedding`` of (T, B) tokens, an ``nn.Linear`` on (T, B, d)) with the batch on
+dimension 1 and these layers' gates as they are (``BATCH_FIRST_INSIDE``).
 """
 
 from __future__ import annotations
@@ -45,6 +51,9 @@ class _Direction(nn.Module):
 
 class _Recurrent(nn.Module):
     mode = "LSTM"
+    # Its gates see (batch, features) whatever batch_first says (a sequence-first input is transposed
+    # first): the clipper reads them batch first under make_private(batch_first=False).
+    BATCH_FIRST_INSIDE = True
 
     def __init__(self, input_size: int, hidden_size: int, num_layers: int = 1, bias: bool = True,
                  batch_first: bool = False, dropout: float = 0.0, bidirectional: bool = False,

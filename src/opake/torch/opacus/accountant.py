@@ -11,6 +11,11 @@ steps taken are the run's, restored with the run's checkpoint (``load_checkpoint
 ``get_epsilon`` is ``PrivateTraining.epsilon_spent``: the guarantee of the first t releases,
 never above the planned run's and non-decreasing in t (one PLD evaluation per call and step for
 Poisson sampling, cached; 0.1 to 2 s at 10^4 steps, as Opacus' PRV).
+
+``history`` is what the run's weights went through: the run's own steps, after any steps a
+noise-free checkpoint loaded into it had taken (``inherited``: ``opake.torch.opacus.checkpoint``,
+which then also makes ``get_epsilon`` infinite). ``state_dict()`` is that history, as Opacus'
+accountants save theirs.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ class RunAccountant:
 
     def __init__(self, engine):
         self._engine = engine
+        self.inherited: list = []  # the noise-free steps a loaded checkpoint's weights went through
 
     @property
     def _private(self):
@@ -47,24 +53,19 @@ class RunAccountant:
     @property
     def history(self) -> list:
         """The run so far as Opacus states it: ``[(noise_multiplier, sample_rate, steps)]`` (the rate
-        is None for balls in bins)."""
+        is None for balls in bins and the loader's own batches), after ``inherited``."""
         private = self._private
         if private is None or private.steps_taken == 0:
-            return []
-        return [(private.noise_multiplier, private.plan.sample_rate, private.steps_taken)]
+            return list(self.inherited)
+        rate = private.plan.sample_rate if private.run.batches.sampler is not None else None  # None: the loader's
+        return [*self.inherited, (private.noise_multiplier, rate, private.steps_taken)]
 
     def __len__(self) -> int:
         return len(self.history)
 
     def state_dict(self) -> dict:
-        """What the accountant reports from: the run's pricing and its steps taken (plain values)."""
-        private = self._private
-        if private is None:
-            return {"mechanism": "none", "steps": 0}
-        plan = private.plan
-        return {"mechanism": str(plan.accounting), "steps": private.steps_taken,
-                "noise_multiplier": private.noise_multiplier, "sample_rate": plan.sample_rate,
-                "n_steps": plan.n_steps}
+        """The history (plain values), as Opacus' accountants save theirs."""
+        return {"history": self.history}
 
     def load_state_dict(self, state_dict: dict) -> None:
         raise InvalidTypeError(

@@ -21,6 +21,13 @@ unless ``secure_mode``), because its failure is bounded; ``draws="replay"`` cont
 original noise exactly (a deterministic resume with no step released after the checkpoint).
 Either way the reported epsilon covers one release of each step: resume from the latest
 checkpoint, with nothing released after it, and both are exact.
+
+A noise-free run's checkpoint (``noise_multiplier=0``) loaded into a noised run, as Opacus' own
+checkpoint test does: the model and optimizer are loaded, and the run is then noise-free for good
+(``no_noise.NoiseFreeWeightsTraining``: its epsilon is infinite, since its weights were trained
+without noise), its accountant's history the saved one. Noise and clipping schedulers
+(``opake.torch.opacus.schedulers``, which never change the planned values) are saved and restored
+under Opacus' entry names.
 """
 
 from __future__ import annotations
@@ -30,11 +37,14 @@ import torch
 from opake.errors import InvalidArgumentError
 from opake.torch.checkpoint import CheckpointError
 from opake.torch.opacus.keys import run_key
+from opake.torch.opacus.no_noise import NoiseFreeTraining, is_noise_free_checkpoint, load_noise_free_weights
+from opake.torch.opacus.schedulers import _StepSchedule
 
 __all__ = ["load_checkpoint", "save_checkpoint"]
 
 _RUN = "opake_private_training"
 _ACCOUNTANT = "privacy_accountant_state_dict"
+_NOISE_SCHEDULER, _CLIP_SCHEDULER = "noise_scheduler_state_dict", "grad_clip_scheduler_state_dict"  # Opacus' names
 
 
 def save_checkpoint(engine, *, path, module, optimizer=None, noise_scheduler=None, grad_clip_scheduler=None,
@@ -44,6 +54,9 @@ def save_checkpoint(engine, *, path, module, optimizer=None, noise_scheduler=Non
     checkpoint = dict(checkpoint_dict or {})
     checkpoint[_RUN] = private.state_dict()
     checkpoint[_ACCOUNTANT] = engine.accountant.state_dict()
+    for entry, scheduler in ((_NOISE_SCHEDULER, noise_scheduler), (_CLIP_SCHEDULER, grad_clip_scheduler)):
+        if scheduler is not None:
+            checkpoint[entry] = scheduler.state_dict()
     torch.save(checkpoint, path, **(torch_save_kwargs or {}))
 
 
@@ -57,11 +70,32 @@ def load_checkpoint(engine, *, path, module, optimizer=None, noise_scheduler=Non
             f"{path!r} is not a checkpoint of opake's PrivacyEngine.save_checkpoint (no {_RUN!r} "
             f"entry); save it with privacy_engine.save_checkpoint(path=..., module=..., optimizer=...)"
         )
-    if draws is None and fresh_key is None:
-        fresh_key = run_key(None, engine.secure_mode).fold_in("opake.torch.opacus.load_checkpoint")
-    private.load_state_dict(checkpoint.pop(_RUN), draws=draws, fresh_key=fresh_key)
-    checkpoint.pop(_ACCOUNTANT, None)
+    run, history = checkpoint.pop(_RUN), checkpoint.pop(_ACCOUNTANT, None)
+    schedulers = [(scheduler, checkpoint.pop(entry, None)) for entry, scheduler in
+                  ((_NOISE_SCHEDULER, noise_scheduler), (_CLIP_SCHEDULER, grad_clip_scheduler))]
+    if is_noise_free_checkpoint(run) and not isinstance(private, NoiseFreeTraining):
+        # Weights trained without noise, into a noised run: that run is noise-free from now on.
+        load_noise_free_weights(private, run)
+        engine.accountant.inherited = _history(history, run)
+    else:
+        if draws is None and fresh_key is None:
+            fresh_key = run_key(None, engine.secure_mode).fold_in("opake.torch.opacus.load_checkpoint")
+        private.load_state_dict(run, draws=draws, fresh_key=fresh_key)
+    for scheduler, state in schedulers:
+        if scheduler is not None and state is not None:
+            scheduler.load_state_dict(state)
     return checkpoint
+
+
+def _history(saved, run: dict) -> list:
+    """The saved accountant's history, or, where it is missing or malformed, the noise-free steps the
+    run's noise state records (the history is a record only: the run's epsilon is infinite either way)."""
+    history = saved.get("history") if isinstance(saved, dict) else None
+    if isinstance(history, list) and all(isinstance(entry, tuple) and len(entry) == 3 for entry in history):
+        return list(history)
+    noise = run.get("noise")
+    steps = noise.get("step") if isinstance(noise, dict) else None
+    return [(0.0, None, steps)] if isinstance(steps, int) and steps else []
 
 
 def _checked(engine, module, optimizer, noise_scheduler, grad_clip_scheduler, state_dict_kwargs):
@@ -75,11 +109,12 @@ def _checked(engine, module, optimizer, noise_scheduler, grad_clip_scheduler, st
         raise InvalidArgumentError("module is not this engine's: pass the module make_private returned")
     if optimizer is not None and optimizer is not private.optimizer:
         raise InvalidArgumentError("optimizer is not this engine's: pass the optimizer make_private returned (or None)")
-    if noise_scheduler is not None or grad_clip_scheduler is not None:
-        raise InvalidArgumentError(
-            "noise and clipping schedulers are not available: the plan fixes the noise multiplier "
-            "and the clipping bound for the whole run (the accountant prices exactly those)"
-        )
+    for scheduler in (noise_scheduler, grad_clip_scheduler):
+        if scheduler is not None and not isinstance(scheduler, _StepSchedule):
+            raise InvalidArgumentError(
+                f"{type(scheduler).__name__} is not one of opake.torch.opacus' schedulers (StepNoise, StepGradClip), "
+                f"which keep the noise multiplier and the clipping bound the run was planned with"
+            )
     if state_dict_kwargs:
         raise InvalidArgumentError(
             "module state-dict options are not available: the checkpoint holds the module's full "

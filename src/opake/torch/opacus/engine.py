@@ -12,11 +12,17 @@ and prices them as if Poisson, which no theorem covers. Correlated noise is aske
 ``strategy=blt_strategy()`` (balls in bins, unamplified) or ``strategy=band_mf_strategy(g)``
 (cyclic Poisson).
 
-``epochs`` is optional for DP-SGD with Poisson sampling, as in Opacus: its noise does not depend
-on the horizon, so the run is planned for ``UNPLANNED_EPOCHS`` epochs, a limit on the loop (a
-pass beyond it raises ``PlanExhaustedError``), and ``get_epsilon(delta)`` reports what the steps
-taken have spent. ``private.epsilon`` is then the epsilon of all those epochs, not of your run.
-Every other mechanism's noise or accounting depends on the horizon, so it needs ``epochs=``.
+``epochs`` is optional for DP-SGD, as in Opacus: its noise does not depend on the horizon, so the
+run is planned for ``UNPLANNED_EPOCHS`` epochs, a limit on the loop (a pass beyond it raises
+``PlanExhaustedError``), and ``get_epsilon(delta)`` reports what the steps taken have spent (with
+``poisson_sampling=False``, the epochs begun: ``opake.torch.opacus.unplanned``). ``private.epsilon``
+is then the epsilon of all those epochs, not of your run. Correlated noise depends on the horizon,
+so it needs ``epochs=``.
+
+Opacus' other options: ``clipping="per_layer"`` and ``"adaptive"`` (``opake.torch.opacus.clipping``,
+``adaptive``), ``batch_first=False`` (the clipper reads the batch on dimension 1),
+``noise_multiplier=0`` (``no_noise``: with ``poisson_sampling=False`` on the loader's own batches).
+An example whose gradient is not finite contributes 0, as Opacus' clip factor for an infinite norm.
 
 ``make_private_with_epsilon(target_epsilon=)`` takes the mechanism with the least noise at the
 budget among those proven for adaptively chosen gradients (``opake.planner.choice``): BLT on
@@ -36,23 +42,23 @@ from torch import nn
 
 from opake.dpftrl.noise import identity_strategy
 from opake.errors import InvalidArgumentError, InvalidStateError, InvalidTypeError
-from opake.torch.planning import choose_mechanism
 from opake.torch.opacus.accountant import RunAccountant
+from opake.torch.opacus.adaptive import (ADAPTIVE_OPTIONS, AdaptiveBound, AdaptiveClipping, AdaptiveNoise,
+                                         gradient_noise_multiplier)
 from opake.torch.opacus.checkpoint import load_checkpoint, save_checkpoint
 from opake.torch.opacus.keys import run_key
-from opake.torch.opacus.no_noise import PLACEHOLDER_SIGMA, is_no_noise, no_noise_key, warn_no_noise, without_noise
+from opake.torch.opacus.clipping import clipping_of
+from opake.torch.opacus.no_noise import (PLACEHOLDER_SIGMA, is_no_noise, no_noise_key, serve_loader_batches,
+                                         warn_no_noise, without_noise)
 from opake.torch.opacus.optimizer import as_opacus_optimizer
-from opake.torch.opacus.options import from_loader, refuse_other_options, remember_source
+from opake.torch.opacus.options import from_loader, own_batch_sampler, refuse_other_options, remember_source
+from opake.torch.opacus.unplanned import UNPLANNED_EPOCHS, is_dp_sgd, priced_as_it_goes, unplanned_horizon
 from opake.torch.private import PrivateTraining, make_private
 from opake.torch.request import PrivacySpec
 from opake.torch.validation import fix_model, require_valid_model
 
 __all__ = ["UNPLANNED_EPOCHS", "PrivacyEngine"]
 
-# The horizon of make_private(noise_multiplier=...) without epochs (DP-SGD with Poisson sampling only):
-# beyond the runs Opacus' examples train (10 to 90 epochs); pricing it at plan time composes the PLD of
-# one step 100 times per epoch's steps (0.5 to 2 s: a larger sample rate makes a wider PLD).
-UNPLANNED_EPOCHS = 100
 _OPACUS_ACCOUNTANTS = ("prv", "rdp", "gdp")
 
 
@@ -97,10 +103,16 @@ class PrivacyEngine:
         without noise; it warns (``NoNoiseWarning``) and its epsilon is infinite
         (``opake.torch.opacus.no_noise``).
         """
+        adaptive = _adaptive_settings(clipping, kwargs)
         self._check(kwargs, dict(clipping=clipping, max_grad_norm=max_grad_norm, grad_sample_mode=grad_sample_mode,
                                  noise_generator=noise_generator, batch_first=batch_first, wrap_model=wrap_model,
-                                 rand_on_empty=rand_on_empty), module)
+                                 rand_on_empty=rand_on_empty), module, optimizer)
         no_noise = is_no_noise(noise_multiplier)
+        if adaptive is not None and (no_noise or (strategy is not None and not is_dp_sgd(strategy))):
+            raise InvalidArgumentError(
+                "clipping='adaptive' runs in DP-SGD with noise (its count shares the noise multiplier's budget, and "
+                "correlated noise cannot follow a bound that changes every step): drop strategy= and give "
+                "noise_multiplier > 0, or clip flat")
         if no_noise:  # Opacus' clipping-only run (opake.torch.opacus.no_noise)
             if noise_correction:
                 raise InvalidArgumentError("noise_correction=True with noise_multiplier=0: there is no noise to "
@@ -108,18 +120,31 @@ class PrivacyEngine:
             noise_multiplier, noise_correction = PLACEHOLDER_SIGMA, False
         strategy = identity_strategy() if strategy is None else strategy
         sampling = _sampling(strategy, poisson_sampling)
-        if epochs is None:
-            epochs = _unplanned_horizon(strategy, sampling)
+        unplanned = epochs is None
+        if unplanned:
+            epochs = unplanned_horizon(strategy)
         dataset, batch_size, loader_options = from_loader(data_loader)
+        # A noise-free run without Poisson sampling trains on the loader's own batches, as Opacus'
+        # (no_noise.LoaderBatches); its plan only carries the noise engine's state: twice the epochs,
+        # so that it covers the loader's ceil(N / B) steps an epoch, on the sampler cheapest to plan.
+        own_batches = no_noise and not poisson_sampling
+        plan_epochs, plan_sampling = epochs, sampling
+        if own_batches:
+            plan_epochs, plan_sampling = 2 * epochs, ("poisson" if is_dp_sgd(strategy) else sampling)
         if target_delta is None:
             target_delta = min(1e-5, 1.0 / len(dataset))
-        request = PrivacySpec(batch_size=batch_size, epochs=epochs, max_grad_norm=max_grad_norm,
+        request = PrivacySpec(batch_size=batch_size, epochs=plan_epochs, max_grad_norm=clipping_of(
+                                  clipping, max_grad_norm, module),
                               noise_multiplier=noise_multiplier, target_delta=target_delta, strategy=strategy,
-                              sampling=sampling)
+                              sampling=plan_sampling)
         returned = self._attach(request, module=module, optimizer=optimizer, dataset=dataset,
                                 lr_scheduler=lr_scheduler, key=key, loss_reduction=loss_reduction, progress=progress,
                                 noise_correction=noise_correction, loader_options=loader_options,
-                                no_noise=no_noise)
+                                no_noise=no_noise, batch_first=batch_first, adaptive=adaptive)
+        if own_batches:
+            serve_loader_batches(self.private, own_batch_sampler(data_loader, batch_size), epochs)
+        elif unplanned and sampling == "balls_in_bins" and not no_noise:
+            priced_as_it_goes(self.private)  # the epochs begun, priced as the loop runs (unplanned.py)
         return _as_opacus_returns(returned, grad_sample_mode, criterion)
 
     def make_private_with_epsilon(self, *, module, optimizer, data_loader, target_epsilon, target_delta, epochs,
@@ -133,21 +158,29 @@ class PrivacyEngine:
         choice to that strategy; ``poisson_sampling=False`` to balls-in-bins batches. The
         returned optimizer's run meets the budget: ``self.private.epsilon <= target_epsilon``.
         """
+        if clipping == "adaptive":
+            raise InvalidArgumentError(
+                "clipping='adaptive' is priced at a given noise multiplier (its count shares that budget): use "
+                "make_private(noise_multiplier=..., clipping='adaptive', ...), or clip flat to meet a target epsilon")
         self._check(kwargs, dict(clipping=clipping, max_grad_norm=max_grad_norm, grad_sample_mode=grad_sample_mode,
                                  noise_generator=noise_generator, batch_first=batch_first, wrap_model=wrap_model),
-                    module)
+                    module, optimizer)
+        from opake.torch import choose_mechanism  # the public name (opake.torch imports this module first)
+
         dataset, batch_size, loader_options = from_loader(data_loader)
         choice = choose_mechanism(num_examples=len(dataset), batch_size=batch_size, epochs=epochs,
                                   target_epsilon=target_epsilon, target_delta=target_delta, optimizer=optimizer,
                                   lr_scheduler=lr_scheduler, strategy=strategy,
                                   sampling=None if poisson_sampling else "balls_in_bins", progress=progress)
         # The choice calibrated the noise on the accountant this plan builds: the request names it.
-        request = PrivacySpec(batch_size=batch_size, epochs=epochs, max_grad_norm=max_grad_norm,
+        request = PrivacySpec(batch_size=batch_size, epochs=epochs, max_grad_norm=clipping_of(
+                                  clipping, max_grad_norm, module),
                               noise_multiplier=choice.noise_multiplier, target_delta=target_delta,
                               strategy=choice.strategy, sampling=choice.sampling)
         returned = self._attach(request, module=module, optimizer=optimizer, dataset=dataset,
                                 lr_scheduler=lr_scheduler, key=key, loss_reduction=loss_reduction,
-                                progress=progress, noise_correction=noise_correction, loader_options=loader_options)
+                                progress=progress, noise_correction=noise_correction, loader_options=loader_options,
+                                batch_first=batch_first)
         planned = self.private.epsilon
         if not planned <= choice.target_epsilon:  # the choice priced this accountant at this sigma: never
             self.private.detach()
@@ -191,7 +224,7 @@ class PrivacyEngine:
 
     # -- inside ----------------------------------------------------------------------------------------
 
-    def _check(self, extra: dict, options: dict, module) -> None:
+    def _check(self, extra: dict, options: dict, module, optimizer) -> None:
         if self.private is not None:
             raise InvalidArgumentError("this PrivacyEngine has planned a run already; build a new PrivacyEngine for "
                                        "another run (opake prices one planned run, it does not compose runs)")
@@ -199,16 +232,37 @@ class PrivacyEngine:
             raise InvalidTypeError(f"opake's PrivacyEngine does not take {sorted(extra)} (Opacus options it does not "
                                    f"implement); see docs/from_opacus.md")
         refuse_other_options(**options)
+        _require_optimizer_of(module, optimizer)
+        clipping_of(options["clipping"], options["max_grad_norm"], module)  # refused before anything is planned
         require_valid_model(module)  # before the seconds a choice can take
 
-    def _attach(self, request: PrivacySpec, *, loader_options: dict, key, no_noise=False, **arguments):
+    def _attach(self, request: PrivacySpec, *, loader_options: dict, key, batch_first: bool, no_noise=False,
+                adaptive=None, **arguments):
         key = run_key(key, self.secure_mode)
+        if adaptive is not None:  # the gradients' share of sigma, checked before anything is planned
+            ratio = gradient_noise_multiplier(request.noise_multiplier, adaptive.unclipped_num_std) / \
+                request.noise_multiplier
         private = make_private(privacy=request, key=no_noise_key(key) if no_noise else key, **arguments,
                                **loader_options)
+        if adaptive is not None:  # opake.torch.opacus.adaptive: priced at sigma, gradients noised at sigma_g
+            private.run.replace_noise(AdaptiveNoise(private.run.noise_fn, ratio), private.run.state.noise)
+            private.optimizer.noise_multiplier = request.noise_multiplier * ratio
+        # As Opacus' clip factor for an infinite norm: an example with a non-finite gradient contributes 0.
+        private.optimizer.clipper.drop_nonfinite(True)
+        if not batch_first:  # Opacus' sequence-first models: the clipper reads each layer's batch on dimension 1
+            try:
+                private.optimizer.clipper.batch_second(True)
+            except Exception:
+                private.detach()
+                raise
         if no_noise:
             without_noise(private)
+            private.optimizer.clipper.keep_per_example_grads(True)  # p.grad_sample, as Opacus' tests read it
             warn_no_noise()  # once the run is planned: a refused call says only why
         as_opacus_optimizer(private.optimizer)
+        if adaptive is not None:
+            private.optimizer.adaptive = AdaptiveBound(adaptive, key.fold_in("opake.torch.opacus.adaptive"),
+                                                       private.plan.expected_batch_size)
         remember_source(private.data_loader, request.batch_size, loader_options)  # a later run may reuse it
         self.private = private
         return private.module, private.optimizer, private.data_loader  # one epoch of the plan per pass
@@ -224,6 +278,25 @@ def _as_opacus_returns(returned: tuple, grad_sample_mode: str, criterion) -> tup
     return module, optimizer, nn.CrossEntropyLoss() if criterion is None else criterion, data_loader
 
 
+def _adaptive_settings(clipping: str, kwargs: dict):
+    """Opacus' AdaClip options, taken out of ``kwargs``, for ``clipping="adaptive"`` (else None)."""
+    if clipping != "adaptive":
+        return None
+    return AdaptiveClipping.from_options({name: kwargs.pop(name) for name in ADAPTIVE_OPTIONS if name in kwargs})
+
+
+def _require_optimizer_of(module, optimizer) -> None:
+    """Opacus' check, in its words: the optimizer must hold the module's own parameters (a model fixed or
+    copied after the optimizer was built has new ones)."""
+    held = {id(param) for group in getattr(optimizer, "param_groups", []) for param in group["params"]}
+    if held - {id(param) for param in module.parameters()}:
+        raise InvalidArgumentError(
+            "Module parameters are different than optimizer Parameters: the optimizer holds parameters that are not "
+            "the module's (a model fixed by ModuleValidator.fix or get_compatible_module, or copied, after the "
+            "optimizer was built has new ones); build the optimizer from module.parameters() after fixing the model"
+        )
+
+
 def _sampling(strategy, poisson_sampling: bool) -> str:
     """Poisson for a banded strategy unless ``poisson_sampling=False``; a BLT on balls in bins always
     (Poisson amplification is not proven for it)."""
@@ -232,11 +305,3 @@ def _sampling(strategy, poisson_sampling: bool) -> str:
     return "poisson" if poisson_sampling else "balls_in_bins"
 
 
-def _unplanned_horizon(strategy, sampling: str) -> int:
-    if getattr(strategy, "bands", None) == 1 and sampling == "poisson":
-        return UNPLANNED_EPOCHS
-    mechanism = ("DP-SGD on balls-in-bins batches (poisson_sampling=False), whose random-allocation bound "
-                 "depends on how often each bin is served" if getattr(strategy, "bands", None) == 1 else
-                 f"{type(strategy).__name__}'s correlated noise, which is optimized and priced for the run's length")
-    raise InvalidTypeError(f"make_private without epochs= plans DP-SGD with Poisson sampling only; {mechanism} needs "
-                           f"the number of epochs the loop runs: add epochs=EPOCHS")

@@ -8,12 +8,19 @@ divided by the expected batch size, with nothing added: ``NoiseFree`` runs the r
 away. Nothing is private: ``NoNoiseWarning`` says so when the run is planned, and the epsilon
 spent is infinite from the first step on (``NoiseFreeTraining``).
 
+With ``poisson_sampling=False`` the run trains on the caller's DataLoader's own batches, in its
+order, epoch after epoch (``LoaderBatches``), as Opacus' does: a clipping check can then be compared
+with a plain run on the same batches. Since nothing is private, nothing depends on how the batches
+are drawn.
+
 The plan is made at ``PLACEHOLDER_SIGMA`` (its ``plan.noise_multiplier`` and ``plan.epsilon``
-describe noise that is never added; read ``privacy_engine.private.noise_multiplier`` and
-``get_epsilon``), under a key folded from the run's; its checkpoint's plan record is marked
-noise-free, so it never loads into a noised run, whatever key that run is given (which would then
-claim a finite epsilon for weights trained without noise). ``opake.torch.make_private`` itself still
-refuses a noise multiplier of 0: only the adapter offers this, for Opacus' meaning.
+describe noise that is never added, and with the loader's batches its sampler is a placeholder
+too; read ``privacy_engine.private.noise_multiplier`` and ``get_epsilon``), under a key folded from
+the run's; its checkpoint's plan record is marked noise-free, so it never loads into a noised run
+as that run's own checkpoint, whatever key that run is given (which would then claim a finite
+epsilon for weights trained without noise): ``opake.torch.opacus.checkpoint`` loads it only by
+marking the noised run noise-free too. ``opake.torch.make_private`` itself still refuses a noise
+multiplier of 0: only the adapter offers this, for Opacus' meaning.
 """
 
 from __future__ import annotations
@@ -21,13 +28,16 @@ from __future__ import annotations
 import math
 import warnings
 
-from opake.errors import InvalidArgumentError
-from opake.torch.checkpoint import CheckpointError, whole_digest
+from opake.errors import InvalidArgumentError, InvalidStateError
+from opake.torch.checkpoint import CheckpointError, check_module_state, check_optimizer_state, whole_digest
+from opake.torch.loader import DatasetChangedError, PlannedBatches
+from opake.torch.opacus.unplanned import UnplannedEpochsTraining
 from opake.torch.private import PrivateTraining
 from opake.types import NoisedPytree
 
-__all__ = ["PLACEHOLDER_SIGMA", "NoNoiseWarning", "NoiseFree", "NoiseFreeTraining", "is_no_noise", "no_noise_key",
-           "warn_no_noise", "without_noise"]
+__all__ = ["PLACEHOLDER_SIGMA", "LoaderBatches", "NoNoiseWarning", "NoiseFree", "NoiseFreeTraining",
+           "NoiseFreeWeightsTraining", "is_no_noise", "is_noise_free_checkpoint", "load_noise_free_weights",
+           "no_noise_key", "serve_loader_batches", "warn_no_noise", "without_noise"]
 
 PLACEHOLDER_SIGMA = 1.0
 NOISE_FREE = "noise_free"  # the plan record's mark of a noise-free run's checkpoint
@@ -115,3 +125,99 @@ def without_noise(private: PrivateTraining) -> None:
     private.run.replace_noise(NoiseFree(private.run.noise_fn), private.run.state.noise)
     optimizer.noise_multiplier = 0.0
     private.__class__ = NoiseFreeTraining  # overrides the privacy figures only: no state moves
+
+
+class LoaderBatches(PlannedBatches):
+    """The batches of the caller's own DataLoader, epoch after epoch: what a noise-free run with
+    ``poisson_sampling=False`` trains on, as Opacus' does (its clipping is then compared with a
+    plain run on the same batches). Nothing is private in such a run, so nothing depends on how its
+    batches are drawn; every step still checks that it releases exactly the batch served.
+
+    ``batch_sampler`` is the DataLoader's (a shuffling one draws its order anew each epoch, from
+    torch's generator, as the DataLoader would); ``epochs`` passes of ``len(batch_sampler)`` steps.
+    """
+
+    def __init__(self, batch_sampler, epochs: int, num_examples: int):
+        steps_per_epoch = len(batch_sampler)
+        super().__init__(sampler=None, n_steps=epochs * steps_per_epoch, steps_per_epoch=steps_per_epoch)
+        self._batch_sampler = batch_sampler
+        self._num_examples = int(num_examples)
+        self._epoch: tuple[int, list] | None = None  # the epoch drawn last and its batches
+
+    def indices(self, step: int) -> list[int]:
+        epoch, position = divmod(step, self.steps_per_epoch)
+        if self._epoch is None or self._epoch[0] != epoch:
+            self._epoch = (epoch, [list(map(int, batch)) for batch in self._batch_sampler])
+        return self._epoch[1][position]
+
+    def units(self, step: int) -> None:
+        return None
+
+    def check_dataset(self, dataset) -> None:
+        if len(dataset) != self._num_examples:
+            raise DatasetChangedError(
+                f"the dataset holds {len(dataset)} examples now, but the run was planned over "
+                f"{self._num_examples}; keep the dataset as it was, or plan a new run over the new data"
+            )
+
+
+def serve_loader_batches(private: PrivateTraining, batch_sampler, epochs: int) -> None:
+    """Serve ``batch_sampler``'s batches (the caller's DataLoader's) in a noise-free run
+    (``LoaderBatches``), for ``epochs`` epochs; the same object."""
+    if not isinstance(private, NoiseFreeTraining):
+        raise InvalidArgumentError("the caller's own batches are served in a noise-free run only: a private run "
+                                   "trains on the planned batches its accountant prices")
+    batches = LoaderBatches(batch_sampler, epochs, len(private._dataset))
+    if batches.n_steps > private.run.n_steps:
+        raise InvalidStateError(f"the noise-free plan has {private.run.n_steps} steps, fewer than the loader's "
+                                f"{batches.n_steps} (please report this)")
+    private.run.batches = batches
+
+
+class NoiseFreeWeightsTraining(PrivateTraining):
+    """A noised run into which a noise-free run's checkpoint was loaded: its weights were trained without
+    noise, so nothing it releases from then on is private. Its epsilon is infinite from the load on,
+    whatever steps it takes after (``opake.torch.opacus.checkpoint``); its own checkpoint is marked
+    noise-free, as the one it loaded, and nothing more loads into it."""
+
+    def state_dict(self) -> dict:
+        saved = super().state_dict()
+        saved["plan"] = {**saved["plan"], NOISE_FREE: True}
+        saved["digest"] = whole_digest(saved)
+        return saved
+
+    def load_state_dict(self, state_dict: dict, *, draws: str | None = None, fresh_key=None) -> None:
+        raise CheckpointError("this run holds weights trained without noise (a noise-free checkpoint was loaded into "
+                              "it): loading another checkpoint would not make it private. Plan a new run")
+
+    @property
+    def epsilon(self) -> float:
+        return math.inf
+
+    def epsilon_spent(self, delta: float | None = None) -> float:
+        return math.inf
+
+
+def is_noise_free_checkpoint(state_dict) -> bool:
+    """Whether ``state_dict`` (a run's checkpoint) is marked as a noise-free run's."""
+    plan = state_dict.get("plan") if isinstance(state_dict, dict) else None
+    return isinstance(plan, dict) and plan.get(NOISE_FREE) is True
+
+
+def load_noise_free_weights(private: PrivateTraining, state_dict: dict) -> None:
+    """Load a noise-free run's checkpoint (its model and optimizer) into the noised run ``private``, which
+    is then a ``NoiseFreeWeightsTraining`` (epsilon infinite). Everything is checked before anything is
+    replaced; the run's own noise state and batches are kept."""
+    if isinstance(private, NoiseFreeWeightsTraining):
+        private.load_state_dict(state_dict)  # refused, saying why
+    if type(private) not in (PrivateTraining, UnplannedEpochsTraining):
+        raise CheckpointError(f"a noise-free checkpoint loads into a run planned by make_private, not into a "
+                              f"{type(private).__name__}. Nothing was restored")
+    if not is_noise_free_checkpoint(state_dict) or state_dict.get("digest") != whole_digest(state_dict):
+        raise CheckpointError("this is not an intact noise-free run's checkpoint (its record or its digest does not "
+                              "match). Nothing was restored")
+    check_module_state(private.module, state_dict["module"])
+    check_optimizer_state(private.optimizer.original_optimizer, state_dict["optimizer"])
+    private.module.load_state_dict(state_dict["module"])
+    private.optimizer.load_state_dict(state_dict["optimizer"])
+    private.__class__ = NoiseFreeWeightsTraining  # overrides the privacy figures and loading only

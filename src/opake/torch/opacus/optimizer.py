@@ -28,9 +28,23 @@ from __future__ import annotations
 import torch
 
 from opake.errors import InvalidStateError, InvalidTypeError
+from opake.torch.loader import UnplannedBatchError
 from opake.torch.optimizer import DPOptimizer
+from opake.torch.per_example.errors import ClipperUsageError
 
 __all__ = ["OpacusDPOptimizer", "as_opacus_optimizer"]
+
+
+# A discriminator-style step (Opacus' examples/dcgan.py): a real and a generated batch backpropagated
+# through the private module before one step.
+_SEVERAL_PASSES = (
+    "Several backward passes came before this step with more examples than the planned batch, as a GAN "
+    "discriminator trained on a real and a generated batch (Opacus' examples/dcgan.py): only the planned batch "
+    "is released in a step, and a generated batch is not part of the plan. Backpropagate the real batch alone "
+    "before optimizer.step(), and train on the generated batch with a discriminator that is not private (a copy "
+    "whose weights you load from the private one after each step), so that what the private step releases is "
+    "exactly the planned batch the accountant priced"
+)
 
 
 class OpacusDPOptimizer(DPOptimizer):
@@ -40,6 +54,7 @@ class OpacusDPOptimizer(DPOptimizer):
     _skip_queue: list
     _last_step_skipped: bool
     _pending: object  # the release pre_step() made, until step() applies it
+    adaptive: object  # AdaptiveBound with clipping="adaptive", else None
 
     @property
     def expected_batch_size(self) -> float:
@@ -68,12 +83,41 @@ class OpacusDPOptimizer(DPOptimizer):
         if self._pending is not None:
             raise InvalidStateError("pre_step() already released this step; call optimizer.step() to apply it")
         self._run_closure(closure)
+        self._expose_sums()
         if self._skip_queue and self._skip_queue.pop(0):
             self._last_step_skipped = True
             return False
         self._last_step_skipped = False
         self._pending = self._release()
         return True
+
+    def _clipped_sums(self, step: int) -> tuple[dict, int]:
+        sums, examples = super()._clipped_sums(step)
+        self._counts = (examples, self.clipper.clipped_examples if examples else 0)  # for adaptive clipping
+        return sums, examples
+
+    def _release(self):
+        """The step's release; with adaptive clipping, then the noisy count and the next bound
+        (``opake.torch.opacus.adaptive``)."""
+        step, passes, examples = self.run.step, self.clipper.passes, self.clipper.examples
+        try:
+            noisy = super()._release()
+        except UnplannedBatchError as error:
+            if passes > 1 and step < self.run.n_steps and examples > len(self.run.batches.indices(step)):
+                raise UnplannedBatchError(f"{error} {_SEVERAL_PASSES}") from None
+            raise
+        if self.adaptive is not None:
+            self.adaptive.update(self.clipper, step, *self._counts)
+        return noisy
+
+    def _check_coverage_once(self, examples: int) -> None:
+        """The check that every parameter use went through a hooked layer waits for a step whose passes
+        dropped no example for a non-finite gradient (autograd's ``.grad`` holds that example's NaN). The
+        release does not depend on it: each example's released contribution is its clipped hooked
+        gradient, within the bound either way; the check guards the training, not the bound."""
+        if not self._coverage_checked and examples and not self.clipper.coverage_comparable:
+            return
+        super()._check_coverage_once(examples)
 
     def add_noise(self) -> None:
         """Refused: the noise is added in the one release of the clipped sums (``pre_step()``/``step()``)."""
@@ -95,6 +139,7 @@ class OpacusDPOptimizer(DPOptimizer):
             noisy, self._pending = self._pending, None
             return self._apply(noisy)
         loss = self._run_closure(closure)
+        self._expose_sums()
         if self._skip_queue and self._skip_queue.pop(0):
             self._last_step_skipped = True
             return loss
@@ -107,6 +152,26 @@ class OpacusDPOptimizer(DPOptimizer):
         if self._last_step_skipped:
             return  # the clipped parts of this planned batch wait for its real step
         super().zero_grad(set_to_none=set_to_none)
+        for param in self.parameters.values():
+            param.summed_grad = None
+            param.grad_sample = None
+
+    def _expose_sums(self) -> None:
+        """Opacus' per-parameter views of the step: ``p.summed_grad``, the sum of the clipped
+        per-example gradients since ``zero_grad()`` (before noise and the division by the expected
+        batch size), and, where the clipper keeps them (a noise-free run), ``p.grad_sample``, the
+        examples' own gradients. Read only: the step releases from the clipper, not from these."""
+        if not self.clipper.passes:
+            return
+        try:
+            sums = self.clipper.clipped_sum(copy=False)
+        except ClipperUsageError:
+            return  # the release names the misuse
+        kept = self.clipper.per_example_grads() if self.clipper.keeps_per_example else {}
+        for name, param in self.parameters.items():
+            param.summed_grad = sums[name]
+            if kept:
+                param.grad_sample = kept.get(name)
 
     @staticmethod
     def _run_closure(closure):
@@ -124,4 +189,5 @@ def as_opacus_optimizer(optimizer: DPOptimizer) -> OpacusDPOptimizer:
     optimizer._skip_queue = []
     optimizer._last_step_skipped = False
     optimizer._pending = None
+    optimizer.adaptive = None  # adaptive clipping's bound (opake.torch.opacus.adaptive.AdaptiveBound), if asked for
     return optimizer

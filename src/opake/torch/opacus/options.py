@@ -19,7 +19,7 @@ import torch
 from opake.errors import InvalidArgumentError, InvalidTypeError
 from opake.torch.loader import PlannedDataLoader
 
-__all__ = ["GRAD_SAMPLE_MODES", "from_loader", "refuse_other_options", "remember_source"]
+__all__ = ["GRAD_SAMPLE_MODES", "from_loader", "own_batch_sampler", "refuse_other_options", "remember_source"]
 
 # Opacus' ways of computing per-example gradients: one exact per-example clipping serves them all,
 # so the choice changes nothing a step computes.
@@ -35,13 +35,8 @@ _LOADING_OPTIONS = ("num_workers", "pin_memory", "timeout", "worker_init_fn", "m
 
 def refuse_other_options(*, clipping="flat", max_grad_norm=1.0, grad_sample_mode="hooks", noise_generator=None,
                          batch_first=True, wrap_model=True, rand_on_empty=False) -> None:
-    """Raise ``ValueError`` for an Opacus option other than its default that opake does not offer."""
-    if clipping != "flat" or isinstance(max_grad_norm, (list, tuple)):
-        raise InvalidArgumentError(
-            f"clipping={clipping!r} is not available: opake clips each example's gradient over all "
-            f"parameters together (flat clipping, by hooks) to one float max_grad_norm; drop the "
-            f"argument"
-        )
+    """Raise ``ValueError`` for an Opacus option other than its default that opake does not offer
+    (``clipping`` and ``max_grad_norm`` are read by ``opake.torch.opacus.clipping``)."""
     if grad_sample_mode not in GRAD_SAMPLE_MODES:
         raise InvalidArgumentError(
             f"grad_sample_mode must be one of Opacus' modes {GRAD_SAMPLE_MODES}, got {grad_sample_mode!r}: "
@@ -52,15 +47,8 @@ def refuse_other_options(*, clipping="flat", max_grad_norm=1.0, grad_sample_mode
         raise InvalidArgumentError("noise_generator is not available: the run's key seeds the batches and the noise; "
                                    "torch.manual_seed(s) before make_private reproduces a run (secure_mode=False), "
                                    "or pass key=opake.random.key(seed)")
-    if not batch_first:
-        raise InvalidArgumentError("batch_first=False is not available: opake's hooks take the batch along dimension 0 "
-                                   "(for a recurrent layer use opake.torch.DPLSTM(..., batch_first=False): its inputs "
-                                   "are transposed inside)")
-    if not wrap_model:
-        raise InvalidArgumentError(
-            "wrap_model=False is not needed: opake never wraps the module, the returned module is "
-            "yours with hooks (its state_dict loads into an unwrapped copy); drop the argument"
-        )
+    # wrap_model: opake never wraps the module (the returned one is yours, with hooks), which is what
+    # Opacus' wrap_model=False gives; both values are accepted.
     if rand_on_empty:
         raise InvalidArgumentError(
             "rand_on_empty=True is not available: an empty planned batch is a zero-length batch; "
@@ -106,3 +94,12 @@ def from_loader(data_loader) -> tuple:
     if data_loader.collate_fn is not torch.utils.data.default_collate:
         options["collate_fn"] = data_loader.collate_fn  # the default gives way to one allowing empty batches
     return dataset, data_loader.batch_size, options
+
+
+def own_batch_sampler(data_loader, batch_size: int):
+    """The batches ``data_loader`` itself would serve (its batch sampler); for a planned loader the
+    adapter returned, the dataset's examples in order, ``batch_size`` at a time."""
+    if isinstance(data_loader, PlannedDataLoader):
+        indices = torch.utils.data.SequentialSampler(range(len(data_loader.dataset)))
+        return torch.utils.data.BatchSampler(indices, batch_size, drop_last=False)
+    return data_loader.batch_sampler

@@ -25,6 +25,11 @@ Pass 2 (sum): every rule is linear in the output gradient, so the clipped sum of
 its rule's contraction with weights ``c_i * s`` (for Linear, ``(c * G)^T A``); a materialized
 per-example gradient is reduced with one matrix-vector product.
 
+Per-layer clipping (a rule with ``per_parameter``, ``opake.dpftrl.clipping.PerLayerClipping``):
+pass 1 is the same, and each parameter's (B,) norms get their own factors ``min(1, C_p / norm)``;
+pass 2 contracts each parameter with its own weights. An example whose gradient is not finite is
+refused, or with ``nonfinite="zero"`` given a weight of 0, its stored rows zeroed first.
+
 Privacy units (``units=``, one unit number per row): the clipped quantity is each unit's summed
 gradient. Pass 1 then gives, per parameter, the (U,) squared norms of the unit sums
 (``units.py``: regrouped ghost norms, or materialized per-example gradients added per unit), the
@@ -36,6 +41,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import optree
 import torch
 from torch import nn
 
@@ -54,6 +60,7 @@ class LayerCall:
     layer: HookedLayer
     stored: object
     grads: list = field(default_factory=list)  # per tensor leaf of the output; None until it arrives
+    batch_moved: bool = False  # stored with the batch moved first (PerExampleClipper.batch_second)
 
     @property
     def received(self) -> bool:
@@ -151,6 +158,7 @@ def _tied_squares(held: list[tuple[LayerCall, str]], dtype, own: torch.Tensor | 
 def clip_forward_pass(
     calls: list[LayerCall], *, rule, mean: bool, shared: frozenset, batch_size: int | None,
     unclipped: bool = False, units: torch.Tensor | None = None, regroup: bool = True, placeholder: bool = False,
+    nonfinite: str = "raise",
 ) -> ClippedPass:
     """Clip each example of one forward pass by the clipping ``rule`` and sum, per parameter.
 
@@ -166,6 +174,9 @@ def clip_forward_pass(
     from materialized per-example gradients. With ``placeholder`` the pass's first row is a
     placeholder (a rank's empty part of a batch, run only so that every rank of a sharded model
     takes part in the collectives): its clipped weight is exactly 0 and it is not counted.
+    ``nonfinite="zero"`` (per example, without units) gives an example whose gradient is not finite
+    (even recomputed in float64) a weight of exactly 0, its stored rows zeroed so that no NaN reaches
+    the sums, and counts it as clipped; ``"raise"`` (default) raises ``NonFiniteGradientError``.
     """
     calls = [call for call in calls if call.received]
     if not calls:
@@ -212,6 +223,7 @@ def clip_forward_pass(
     else:
         squared, per_example = _unit_squares(calls, dense_names, tied_names, holders, grouping, regroup)
     total = _total(squared, device, factor_dtype)
+    dropped = None  # nonfinite="zero": the examples whose gradient is not finite
     if not bool(torch.isfinite(total).all()):
         # One check for the whole pass; only here, parameter by parameter: squares that overflowed
         # float32 are recomputed in float64 from the same stored tensors, and what is still not
@@ -234,59 +246,109 @@ def clip_forward_pass(
                     owner.module, call.stored, call.grads, [local], torch.float64
                 )[local]
             if not bool(torch.isfinite(squares).all()):
-                if grouping is None:
+                if grouping is None and nonfinite == "zero":
+                    bad = ~torch.isfinite(squares).to(device)
+                    dropped = bad if dropped is None else dropped | bad
+                    squares = torch.where(torch.isfinite(squares), squares, torch.zeros_like(squares))
+                elif grouping is None:
                     raise _nonfinite(name, owner, squares, batch)
-                raise _nonfinite(name, owner, squares, grouping.count, what="unit")
+                else:
+                    raise _nonfinite(name, owner, squares, grouping.count, what="unit")
             squared[name] = squares
+        if dropped is not None:
+            _zero_rows(calls, per_example, dropped, batch)
+            squared = {name: torch.where(dropped.to(squares.device), torch.zeros_like(squares), squares)
+                       for name, squares in squared.items()}
         total = _total(squared, device, factor_dtype)
 
     # For a mean, every stored output gradient carries the pass's 1/B (B its rows, units or not).
     scale = float(batch) if mean else 1.0
-    norms = torch.sqrt(total) * scale
-    factors, clipped = rule.factors(norms)
-    weights = factors * scale  # per clipped quantity: an example, or a unit
-    if placeholder:
-        if grouping is not None:
-            raise ClipperUsageError("a placeholder row cannot be combined with privacy units")
-        weights = torch.cat([torch.zeros_like(weights[:1]), weights[1:]])
-        clipped = clipped[1:]
-    row_weights = weights if grouping is None else grouping.row_weights(weights)
+    if getattr(rule, "per_parameter", False):  # per-layer clipping: each parameter by its own norm
+        if grouping is not None or placeholder:
+            raise ClipperUsageError("per-layer clipping clips each example's parameters one by one; it is not "
+                                    "combined with privacy units or placeholder rows: clip flat")
+        factors, clipped = rule.factors_by_name({name: torch.sqrt(squares.to(device=device, dtype=factor_dtype))
+                                                 * scale for name, squares in squared.items()})
+        if dropped is not None:
+            factors = {name: torch.where(dropped, torch.zeros_like(f), f) for name, f in factors.items()}
+            clipped = clipped | dropped
+        by_name = {name: (factor * scale,) * 2 for name, factor in factors.items()}
+        weights = row_weights = next(iter(by_name.values()))[0]
+        weight_of = by_name.__getitem__
+    else:
+        norms = torch.sqrt(total) * scale
+        factors, clipped = rule.factors(norms)
+        if dropped is not None:
+            factors, clipped = torch.where(dropped, torch.zeros_like(factors), factors), clipped | dropped
+        weights = factors * scale  # per clipped quantity: an example, or a unit
+        if placeholder:
+            if grouping is not None:
+                raise ClipperUsageError("a placeholder row cannot be combined with privacy units")
+            weights = torch.cat([torch.zeros_like(weights[:1]), weights[1:]])
+            clipped = clipped[1:]
+        row_weights = weights if grouping is None else grouping.row_weights(weights)
+        pair = (weights, row_weights)
+        weight_of = lambda name: pair  # noqa: E731 (one pair for every parameter)
 
-    def weighted_sums(weights: torch.Tensor, row_weights: torch.Tensor) -> dict[str, torch.Tensor]:
+    def weighted_sums(weight_of) -> dict[str, torch.Tensor]:
+        """The contractions with ``weight_of(name)``: (weights per clipped quantity, weights per row)."""
         sums: dict[str, torch.Tensor] = {}
         converted: dict[tuple, torch.Tensor] = {}
 
-        def rows_as(tensor_device, dtype):
-            key = (tensor_device, dtype)
+        def rows_as(row_weights, dtype):
+            key = (id(row_weights), dtype)
             if key not in converted:
-                converted[key] = row_weights.to(device=tensor_device, dtype=dtype)
+                converted[key] = row_weights.to(device=row_weights.device, dtype=dtype)
             return converted[key]
 
         for call in calls:
             layer, dtype = call.layer, _layer_dtype(call.layer)
-            ghost = [local for local, name in zip(layer.local_names, layer.global_names) if name not in dense_names]
-            if not ghost:
-                continue
-            parts = layer.rule.clipped_sums(
-                layer.module, call.stored, call.grads, ghost, rows_as(row_weights.device, dtype), dtype
-            )
+            groups: dict[int, tuple] = {}  # the call's ghost parameters, by the weights they take
             for local, name in zip(layer.local_names, layer.global_names):
-                if local in ghost:
-                    sums[name] = parts[local] + sums[name] if name in sums else parts[local]
+                if name not in dense_names:
+                    row_weights = weight_of(name)[1]
+                    groups.setdefault(id(row_weights), (row_weights, []))[1].append(local)
+            for row_weights, ghost in groups.values():
+                parts = layer.rule.clipped_sums(
+                    layer.module, call.stored, call.grads, ghost, rows_as(row_weights, dtype), dtype
+                )
+                for local, name in zip(layer.local_names, layer.global_names):
+                    if local in ghost:
+                        sums[name] = parts[local] + sums[name] if name in sums else parts[local]
         # Kept per-example gradients (per-unit sums with units): one (1, B) x (B, P) product each
         # (10% faster than the matrix-vector product over the transposed view on one CPU thread).
         for name, grads in per_example.items():
             stored, swapped = storage_order(grads)
             flat = stored.reshape(stored.shape[0], -1)
-            row = weights.to(device=flat.device, dtype=flat.dtype).view(1, -1)
+            row = weight_of(name)[0].to(device=flat.device, dtype=flat.dtype).view(1, -1)
             total = torch.mm(row, flat).view(stored.shape[1:])
             sums[name] = total.transpose(-1, -2).contiguous() if swapped else total
         return sums
 
     # The stored output gradients already carry the loss's 1/B for a mean, so factor 1 gives .grad.
-    plain = weighted_sums(torch.ones_like(weights), torch.ones_like(row_weights)) if unclipped else None
-    return ClippedPass(weighted_sums(weights, row_weights), batch - int(placeholder), int(clipped.sum()), plain,
+    ones = (torch.ones_like(weights), torch.ones_like(row_weights))
+    # A dropped example's NaN is in autograd's .grad but not in these sums: no comparison this pass.
+    plain = weighted_sums(lambda name: ones) if unclipped and dropped is None else None
+    return ClippedPass(weighted_sums(weight_of), batch - int(placeholder), int(clipped.sum()), plain,
                        None if grouping is None else grouping.count)
+
+
+def _zero_rows(calls: list[LayerCall], per_example: dict, rows: torch.Tensor, batch: int) -> None:
+    """Zero the rows ``rows`` (a (B,) mask) of every call's stored floating tensors and output gradients
+    with the batch on dimension 0, and of the kept per-example gradients: a weight of 0 times a NaN
+    would still be NaN in the sums (``nonfinite="zero"``). New tensors; autograd's are not touched."""
+    def zeroed(value):
+        if (isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim() >= 1
+                and value.shape[0] == batch):
+            mask = rows.to(value.device).view(-1, *([1] * (value.dim() - 1)))
+            return torch.where(mask, torch.zeros((), dtype=value.dtype, device=value.device), value)
+        return value
+
+    for call in calls:
+        call.stored = optree.tree_map(zeroed, call.stored, none_is_leaf=True)
+        call.grads = [None if grad is None else zeroed(grad) for grad in call.grads]
+    for name in per_example:
+        per_example[name] = zeroed(per_example[name])
 
 
 def _held_elements(calls: list[LayerCall]) -> int:

@@ -64,6 +64,7 @@ from opake.torch.per_example.errors import (ClipperUsageError, CompiledModuleErr
 from opake.torch.per_example.model import HookedLayer, describe, plan_model
 from opake.torch.per_example.rules.base import autocast_state, lowest_precision
 from opake.torch.per_example.rules.embedding import EmbeddingRule
+from opake.torch.per_example.rules.linear import LinearRule
 
 LOSS_REDUCTIONS = ("mean", "sum")
 
@@ -129,6 +130,11 @@ def coverage_tolerance(dtype: torch.dtype | None) -> float:
     if dtype is None or dtype in (torch.float32, torch.float64):
         return 1e-3
     return max(1e-3, 4 * torch.finfo(dtype).eps)
+
+
+def _batch_first(value):
+    """A tensor with its dimensions 0 and 1 swapped (a view); anything else as it is."""
+    return value.transpose(0, 1) if isinstance(value, torch.Tensor) and value.dim() >= 2 else value
 
 
 def _leaves(tree) -> list:
@@ -215,6 +221,14 @@ class PerExampleClipper:
         self._plan = plan_model(module)
         if not self._plan.trainable:
             raise InvalidArgumentError("the module has no trainable parameters (requires_grad=True); nothing to clip")
+        if getattr(self.rule, "per_parameter", False) and set(self.rule.names) != set(self._plan.trainable):
+            raise InvalidArgumentError(
+                f"per-layer clipping gives bounds for {sorted(self.rule.names)}, but the module's trainable "
+                f"parameters are {sorted(self._plan.trainable)}: give one bound per trainable parameter"
+            )
+        self._keep_per_example = False  # keep_per_example_grads
+        self._nonfinite = "raise"  # drop_nonfinite
+        self._batch_second: frozenset = frozenset()  # ids of the layers that take the batch on dimension 1
         self._module = module
         self._handles = []
         self._tracking_unclipped = False
@@ -355,6 +369,67 @@ class PerExampleClipper:
                 result[name] = total.clone() if copy else total
         return result
 
+    def keep_per_example_grads(self, enabled: bool = True) -> None:
+        """Also form and keep every example's own gradient of every trainable parameter
+        (``per_example_grads()``), besides the clipped sums, which do not change.
+
+        Each is the gradient of that example's loss alone (for ``loss_reduction="mean"`` the batch's
+        1/B is taken out), unclipped, of shape (examples, *parameter shape): batch size times the
+        model's memory, which the clipping itself never needs. For inspecting clipping (Opacus'
+        ``p.grad_sample``); off by default."""
+        self._keep_per_example = bool(enabled)
+
+    def batch_second(self, enabled: bool = True) -> None:
+        """The model takes the batch on dimension 1 (sequence first: (T, B, ...), Opacus'
+        ``batch_first=False``): its first tensor input and every hooked layer's inputs and outputs,
+        except the layers inside a module whose class says ``BATCH_FIRST_INSIDE = True`` (opake's
+        ``DPLSTM``, ``DPMultiheadAttention``: they move the batch first themselves). Each such call's
+        stored tensors and output gradients are read with the batch moved first, which is exact for
+        layers that act on each position alone (``nn.Linear`` on inputs of 3 or more dimensions,
+        ``nn.Embedding`` on indices of 2 or more; a 2-D input of a Linear is (B, d) already); a model with
+        other hooked layers outside such modules is refused. Set before the first forward pass."""
+        if not enabled:
+            self._batch_second = frozenset()
+            return
+        inside = [path for path, module in self._module.named_modules()
+                  if getattr(type(module), "BATCH_FIRST_INSIDE", False)]
+        second = [layer for layer in self._plan.layers
+                  if not any(layer.path == path or layer.path.startswith(path + ".") for path in inside if path)]
+        refused = [layer for layer in second if not isinstance(layer.rule, (LinearRule, EmbeddingRule))]
+        if refused:
+            raise UnsupportedModuleError(
+                f"with the batch on dimension 1 (batch_first=False) opake clips nn.Linear and nn.Embedding layers, "
+                f"which act on each position alone, but not {describe(refused[0].path)} "
+                f"({type(refused[0].module).__name__}); put the batch first (batch_first=True), or use opake's "
+                f"DPLSTM / DPMultiheadAttention, which move it first themselves"
+            )
+        self._batch_second = frozenset(id(layer) for layer in second)
+
+    @property
+    def coverage_comparable(self) -> bool:
+        """Whether ``check_coverage`` can compare the passes since the last reset with autograd's ``.grad``
+        (it cannot after a pass that dropped an example for a non-finite gradient, ``drop_nonfinite``)."""
+        self._close_passes(only_received=False)
+        return self._tracking_unclipped and self._unclipped is not None
+
+    def drop_nonfinite(self, enabled: bool = True) -> None:
+        """Give an example whose gradient is not finite (NaN or infinite, even recomputed in float64) a
+        clipped weight of 0 and count it as clipped, as Opacus' clip factor does for an infinite norm,
+        instead of raising ``NonFiniteGradientError`` (the default). Either way nothing non-finite reaches
+        the released sum: an example's contribution stays within the bound (it is 0)."""
+        self._nonfinite = "zero" if enabled else "raise"
+
+    @property
+    def keeps_per_example(self) -> bool:
+        return self._keep_per_example
+
+    def per_example_grads(self) -> dict[str, torch.Tensor]:
+        """Per trainable parameter name, the per-example gradients kept since the last reset, the
+        passes' examples concatenated in order (``keep_per_example_grads``); names no pass reached
+        are absent."""
+        self._close_passes(only_received=False)
+        return {name: parts[0] if len(parts) == 1 else torch.cat(parts) for name, parts in self._kept.items()}
+
     def skip_autograd_weight_gradients(self, enabled: bool = True) -> None:
         """Whether hooked layers' calls leave their parameters out of autograd's graph.
 
@@ -392,7 +467,11 @@ class PerExampleClipper:
         """
         self._close_passes(only_received=False)
         if not self._tracking_unclipped or self._unclipped is None:
-            raise ClipperUsageError("check_coverage() needs track_coverage() before the backward passes")
+            raise ClipperUsageError(
+                "check_coverage() needs track_coverage() before the backward passes, and passes whose examples' "
+                "gradients are all finite (one dropped for a non-finite gradient, drop_nonfinite, cannot be compared "
+                "with autograd's .grad): the first step with examples must have finite gradients"
+            )
         if rtol is None:
             rtol = coverage_tolerance(lowest_precision(self._precisions))
         pairs = {}
@@ -425,6 +504,7 @@ class PerExampleClipper:
         self._open = []
         self._unclipped: dict[str, torch.Tensor] | None = {}
         self._sums: dict[str, torch.Tensor] = {}
+        self._kept: dict[str, list[torch.Tensor]] = {}  # keep_per_example_grads
         self._examples = 0
         self._clipped_examples = 0
         self._units = 0
@@ -450,7 +530,8 @@ class PerExampleClipper:
             _refuse_data_parallel_wrapper(module)
         self._close_passes(only_received=True)
         first = _first_tensor(args, kwargs)
-        batch = first.shape[0] if first is not None and first.dim() > 0 else None
+        dim = 1 if self._batch_second else 0
+        batch = first.shape[dim] if first is not None and first.dim() > dim else None
         units = self._take_units(batch) if self._expected_units is not None and torch.is_grad_enabled() else None
         placeholder = self._placeholder_pending and torch.is_grad_enabled()
         if placeholder:
@@ -503,7 +584,8 @@ class PerExampleClipper:
     def _expand_shared_indices(self, module, args):
         """Indices with batch size one, in a pass of a larger batch, expanded to that batch
         (module docstring: shared position ids)."""
-        if self._folding or not torch.is_grad_enabled() or not args or not isinstance(args[0], torch.Tensor):
+        if (self._folding or not torch.is_grad_enabled() or not args or not isinstance(args[0], torch.Tensor)
+                or self._batch_second):
             return None
         forward_pass = self._pass_of_call()
         indices = args[0]
@@ -555,8 +637,16 @@ class PerExampleClipper:
             return
         self._precisions.add(module.get_parameter(layer.local_names[0]).dtype)  # as computed (FSDP2 may cast)
         self._precisions.update(dtype for _, dtype in autocast_state())
-        stored = layer.rule.store(module, args, kwargs, layer.local_names, output)
-        call = LayerCall(layer, stored, [None] * len(leaves))
+        # batch_second: a Linear's (T, B, ...) input or an Embedding's (T, B) indices are read batch first;
+        # a 2-D Linear input (B, d) or 1-D indices carry the batch first already.
+        moved = (id(layer) in self._batch_second and bool(args) and isinstance(args[0], torch.Tensor)
+                 and args[0].dim() >= (2 if isinstance(layer.rule, EmbeddingRule) else 3))
+        if moved:
+            args = tuple(_batch_first(value) for value in args)
+            stored = layer.rule.store(module, args, kwargs, layer.local_names, optree.tree_map(_batch_first, output))
+        else:
+            stored = layer.rule.store(module, args, kwargs, layer.local_names, output)
+        call = LayerCall(layer, stored, [None] * len(leaves), batch_moved=moved)
         forward_pass.calls.append(call)
         forward_pass.pending += len(needing)
         if len(needing) > 1:
@@ -577,7 +667,7 @@ class PerExampleClipper:
                 f"a second backward pass reached the layer at {describe(call.layer.path)} through a forward "
                 f"pass that was already clipped (or reset); run the model again for each backward pass"
             )
-        call.grads[index] = grad.detach()
+        call.grads[index] = _batch_first(grad.detach()) if call.batch_moved else grad.detach()
         forward_pass.pending -= 1
         if forward_pass.complete and forward_pass is not self._current:
             self._open.remove(forward_pass)
@@ -613,6 +703,23 @@ class PerExampleClipper:
 
     # Folding -------------------------------------------------------------------------------
 
+    def _keep_gradients(self, calls: list[LayerCall]) -> None:
+        """Form and keep the pass's per-example gradients (``keep_per_example_grads``), before the
+        clipping passes release what the calls stored."""
+        formed: dict[str, torch.Tensor] = {}
+        for call in calls:
+            if not call.received:
+                continue
+            layer = call.layer
+            grads = layer.rule.per_example_grads(layer.module, call.stored, call.grads, list(layer.local_names),
+                                                 sum_dtype(layer.parameters[0].dtype))
+            scale = call.batch_size if self.loss_reduction == "mean" else 1  # the mean's 1/B taken out
+            for local, name in zip(layer.local_names, layer.global_names):
+                part = grads[local] * scale
+                formed[name] = part if name not in formed else formed[name] + part  # a shared parameter's uses
+        for name, grads in formed.items():
+            self._kept.setdefault(name, []).append(grads)
+
     def _close_passes(self, only_received: bool) -> None:
         """Clip the open passes that got gradients; with ``only_received=False`` drop the others."""
         keep = []
@@ -633,6 +740,8 @@ class PerExampleClipper:
                 # A backward run inside autocast must not lower the norms' and sums' precision.
                 for device, _ in autocast_state():
                     full_precision.enter_context(torch.autocast(device, enabled=False))
+                if self._keep_per_example:
+                    self._keep_gradients(calls)
                 clipped: ClippedPass = clip_forward_pass(
                     calls,
                     rule=self.rule,
@@ -643,6 +752,7 @@ class PerExampleClipper:
                     units=forward_pass.units,
                     regroup=self._regroup_units,
                     placeholder=forward_pass.placeholder,
+                    nonfinite=self._nonfinite,
                 )
         finally:
             self._folding = False
