@@ -48,7 +48,20 @@ def _scripts() -> list[str]:
     return sorted(path.name for path in BENCHMARKS.glob("*.py") if path.name not in OWN_TEST)
 
 
+# A native abort while spawned gloo workers tear down after the profiler has run (seen once, in
+# distributed_finetune.py under a full parallel run; never in isolation): the script is run once
+# more, and only on exactly that signature (a Python error or a wrong table still fails at once).
+_TEARDOWN_ABORT = ("terminate called without an active exception", "terminated with signal SIGABRT")
+
+
 def _run(script: str) -> dict:
+    result = _run_once(script)
+    if result["returncode"] not in (0, None) and all(sign in result["stderr"] for sign in _TEARDOWN_ABORT):
+        result = _run_once(script)
+    return result
+
+
+def _run_once(script: str) -> dict:
     environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
                    "OPAKE_PEER_OPACUS": ABSENT, "OPAKE_PEER_JAXP": ABSENT, "OPAKE_PEER_OPAKE": ABSENT}
     started = time.perf_counter()
