@@ -188,12 +188,8 @@ def _plan_dataset(args) -> int:
           f"sums (plain SGD, Adam-type optimizers; make_private ranks torch SGD with momentum or a schedule on "
           f"its own workload). The amplified BLT row is for reference: its bound is not proven for adaptively "
           f"chosen gradients. Planned in {seconds:.1f} s.")
-    scale = choice.adam_rate_scale
-    if scale is not None and choice.chosen.name != "DP-SGD, Poisson":
-        print(f"\nLearning rate: one step's noise has standard deviation {choice.chosen.step_noise:.4g} with "
-              f"{choice.chosen.name}, against {choice.chosen.step_noise / scale:.4g} with Poisson DP-SGD; Adam-type "
-              f"optimizers divide their step by it, so a learning rate tuned with DP-SGD goes x{scale:.3g} here "
-              f"(plain SGD's carries over as it is).")
+    if choice.learning_rate_note:
+        print(f"\n{choice.learning_rate_note[0].upper()}{choice.learning_rate_note[1:]}.")
     if args.batch_advice:
         print("\n" + advice.table())
     if args.plot:

@@ -43,6 +43,7 @@ choice out.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from dataclasses import dataclass, field
@@ -102,7 +103,7 @@ class Candidate:
     accountant: Accountant | None = field(default=None, repr=False, compare=False)
     process: object = field(default=None, repr=False, compare=False)
 
-    @property
+    @functools.cached_property
     def step_noise(self) -> float:
         """The standard deviation of one step's noise, sigma * max_t ||row t of C^{-1}|| (clip norm 1,
         before the division by the batch size): what an Adam-type optimizer's denominator follows
@@ -198,12 +199,21 @@ class MechanismChoice:
         lines.append(f"error: the worst step's noise standard deviation on the {self.workload.description} "
                      f"(clip norm 1, before dividing by the batch size); chosen: epsilon {self.epsilon:.6g} <= "
                      f"{self.target_epsilon:g} at delta {self.target_delta:g}, in {self.seconds:.2f} s")
-        scale = self.adam_rate_scale
-        if scale is not None and self.chosen.name != "DP-SGD, Poisson":
-            lines.append(f"learning rate: one step's noise has standard deviation {self.chosen.step_noise:.4g} here, "
-                         f"against DP-SGD's {self.chosen.step_noise / scale:.4g}; Adam-type optimizers divide by it, so "
-                         f"a rate tuned with DP-SGD goes x{scale:.3g} (plain SGD's rate carries over as it is)")
+        if self.learning_rate_note:
+            lines.append(self.learning_rate_note)
         return "\n".join(lines)
+
+    @property
+    def learning_rate_note(self) -> str:
+        """One sentence on the learning rate's scale (``adam_rate_scale``), or "" when the chosen
+        mechanism is Poisson DP-SGD itself or there is none to compare with."""
+        scale = self.adam_rate_scale
+        if scale is None or self.chosen.name == "DP-SGD, Poisson":
+            return ""
+        return (f"learning rate: one step's noise has standard deviation {self.chosen.step_noise:.4g} with "
+                f"{self.chosen.name}, against {self.chosen.step_noise / scale:.4g} with Poisson DP-SGD; Adam-type "
+                f"optimizers divide their step by it, so a rate tuned with DP-SGD goes x{scale:.3g} here (plain "
+                f"SGD's rate carries over as it is)")
 
     def __str__(self) -> str:
         return self.table()

@@ -21,7 +21,6 @@ the extra variance of a Poisson batch size is not counted.
 
 from __future__ import annotations
 
-import math
 import warnings
 from dataclasses import dataclass
 
