@@ -3,7 +3,7 @@
 the same plan with a BLT named (the one mechanism the choice would otherwise replace).
 
     python benchmarks/plan_time.py            # a few data set sizes and budgets, and 1e6 steps (minutes)
-    python benchmarks/plan_time.py --quick    # one tiny setting (seconds)
+    python benchmarks/plan_time.py --quick    # one tiny setting, both plans in this process (seconds)
 
 Each plan runs in a fresh process (no strategy resolution or calibration reused from an earlier
 row; the interpreter's start-up and imports are not counted), with one thread. A row: the
@@ -87,15 +87,18 @@ def main(argv=None) -> int:
     rows = [(setting, budget) for setting in settings for budget in budgets]
     if not args.quick:
         rows += MILLION_STEPS
+    # --quick is a smoke test of the script: its two plans run here (no fresh interpreters to start)
+    plan = (lambda setting, budget, named: plan_once(setting, budget, named)) if args.quick else _fresh
+    where = "both plans in this process (--quick)" if args.quick else "each plan in a fresh process"
     print(f"plan_privacy with a BLT named vs without a strategy (the least-noise choice); delta {DELTA:g}; "
-          f"each plan in a fresh process, one thread; torch {torch.__version__}")
+          f"{where}, one thread; torch {torch.__version__}")
     print("| N, B, E, optimizer | target epsilon | chosen | BLT named s | default s | default - named s "
           "| BLT named CPU s | default CPU s | load |")
     print("|---|---|---|---|---|---|---|---|---|")
     worst = 0.0
     for setting, budget in rows:
         load = os.getloadavg()[0]
-        named, default = _fresh(setting, budget, True), _fresh(setting, budget, False)
+        named, default = plan(setting, budget, True), plan(setting, budget, False)
         extra = default["seconds"] - named["seconds"]
         worst = max(worst, extra)
         examples, batch, epochs, optimizer = setting

@@ -11,9 +11,10 @@ gradient -1). 4000 independent worlds per dataset, one model coordinate each; st
 the largest standardized drop of one bin (see tests/end_to_end_support.py for the set-up and
 why the coordinates are independent runs).
 
-Claim check: for every threshold tau of a fixed grid (81 points) and every delta of a fixed
-grid (1e-6 .. 0.6), Clopper-Pearson bounds (1e-9 each) must satisfy
-1 - delta - FNR_up <= exp(eps(delta)) FPR_up, eps from ``accountant.epsilon_at``. A correct
+Claim check: for every threshold tau of a fixed grid (81 points) and every point (eps, delta)
+of the claimed curve (80 epsilons evenly spaced up to eps(1e-6), delta from
+``accountant.delta_at``), Clopper-Pearson bounds (1e-9 each) must satisfy
+1 - delta - FNR_up <= exp(eps) FPR_up. A correct
 claim is refuted with probability <= 1.62e-7 per case (5 positive checks: < 1e-6 in all).
 
 Cases (MU = 1.25 everywhere):
@@ -57,7 +58,7 @@ from scipy import special, stats
 
 from audit_support import P_THRESHOLD, _clopper_pearson_upper
 from end_to_end_support import (
-    DELTAS, FALSE_FAILURE, THRESHOLDS, LegacyFixedSizeSampler, check_claim, claimed_epsilons, miss_probability,
+    FALSE_FAILURE, THRESHOLDS, LegacyFixedSizeSampler, check_claim, claimed_curve, miss_probability,
     model_rates, run_worlds,
 )
 import opake.dpftrl.accounting as dpftrl_acc
@@ -138,7 +139,7 @@ def _amplified_claim(name):
     random-allocation PLD, proven for adaptive gradients), method="amplified" for the BLT (the
     aligned pair, not proven for adaptive gradients: audited here all the same). A case and its
     legacy control share strategy, noise multiplier, bins and steps, hence one claim object (and
-    one epsilon curve, ``claimed_epsilons``)."""
+    one epsilon curve, ``claimed_curve``)."""
     run = _run(name)
     strategy, _, _, n_steps, participation, _ = CASES[name]
     return run, _amplified_accountant(strategy, run.noise_multiplier, participation.min_sep, n_steps)
@@ -153,7 +154,6 @@ def _amplified_accountant(strategy, noise_multiplier, num_bins, n_steps):
         return dpftrl_acc.balls_in_bins(inner, num_bins=num_bins, n_steps=n_steps, method="amplified")
 
 
-@pytest.mark.slow  # the identity's random-allocation PLD over 76 deltas: ~20 s (shared with its control)
 @pytest.mark.parametrize("name", ["identity_2bins", "blt_2bins"])
 def test_balls_in_bins_run_respects_the_amplified_claim(name):
     """The same worlds against the amplified (tighter) epsilon curve."""
@@ -167,7 +167,6 @@ def test_balls_in_bins_run_respects_the_amplified_claim(name):
     assert not check.violated, f"{name}: the run beats the amplified claim: {check}"
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("name", ["identity_2bins_legacy", "blt_2bins_legacy"])
 def test_the_legacy_sampler_violates_the_amplified_claim_too(name):
     """Negative control for the amplified accountant: the same claim, a sampler that moves x's batch."""
@@ -207,18 +206,18 @@ def test_legacy_fixed_size_sampler_violates_the_claimed_epsilon_curve(name):
     num_examples = CASES[name][2]
     fpr, fnr = _assert_matches_model(run, shift=2.0, moved=num_examples / (num_examples + 1))
 
-    epsilons = claimed_epsilons(run.accountant)
-    # The (tau, delta) with the largest margin when the counts take their expected values.
+    deltas, epsilons = claimed_curve(run.accountant)
+    # The (tau, claimed point) with the largest margin when the counts take their expected values.
     expected_margin = [
-        (1.0 - DELTAS - _clopper_pearson_upper(round(WORLDS * fnr[i]), WORLDS, P_THRESHOLD))
+        (1.0 - deltas - _clopper_pearson_upper(round(WORLDS * fnr[i]), WORLDS, P_THRESHOLD))
         - np.exp(epsilons) * _clopper_pearson_upper(round(WORLDS * fpr[i]), WORLDS, P_THRESHOLD)
         for i in range(THRESHOLDS.size)
     ]
-    i, j = np.unravel_index(np.argmax(expected_margin), (THRESHOLDS.size, DELTAS.size))
+    i, j = np.unravel_index(np.argmax(expected_margin), (THRESHOLDS.size, deltas.size))
     fnr_star, fpr_star = fnr[i], fpr[i]
 
     def detects(fpr_up, fnr_up):
-        return (1.0 - DELTAS[j] - fnr_up) - math.exp(epsilons[j]) * fpr_up > 0.0
+        return (1.0 - deltas[j] - fnr_up) - math.exp(epsilons[j]) * fpr_up > 0.0
 
     assert miss_probability(fpr_star, fnr_star, WORLDS, detects) < MAX_MISS
 

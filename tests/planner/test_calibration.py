@@ -9,6 +9,7 @@ process as is, and only on the accountant its own sampler builds.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import pytest
@@ -60,6 +61,31 @@ def test_a_start_from_a_coarser_grid_lands_on_the_same_answer_within_the_toleran
     fresh = calibrate_noise(accountant, budget)
     started = calibrate_noise(accountant, budget, start=PoissonStart(1.02 * fresh.sigma, None))
     assert started.sigma == pytest.approx(fresh.sigma, rel=2e-3) and started.epsilon <= 4.0
+
+
+def test_a_repeated_calibration_is_the_first_answer_without_evaluating_again():
+    """A second identical request (another learning rate or seed of one run) gets the first answer,
+    process included, and no evaluation; another budget is searched on its own."""
+    evaluated = []
+
+    @dataclasses.dataclass(frozen=True)
+    class Counting:
+        inner: object
+
+        def __call__(self, sigma):
+            evaluated.append(sigma)
+            return self.inner(sigma)
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    accountant = Counting(balls_in_bins_accountant(blt_strategy(max_buffers=2), 20, 60, "rigorous"))
+    first = calibrate_noise(accountant, epsilon_budget(3.5, DELTA))
+    searched = len(evaluated)
+    assert searched > 1
+    assert calibrate_noise(accountant, epsilon_budget(3.5, DELTA)) == first and len(evaluated) == searched
+    other = calibrate_noise(accountant, epsilon_budget(5.0, DELTA))
+    assert len(evaluated) > searched and other.sigma < first.sigma
 
 
 def test_a_given_noise_multiplier_is_priced_once_and_bad_values_are_refused():

@@ -16,9 +16,11 @@ module is the one place its noise multiplier is searched for, by the routine its
   coarser grid, with the slope there) and goes no lower than ``POISSON_FLOOR`` column norms.
 
 Every answer is an exact evaluation of the accountant at the returned sigma, whatever the
-search's path. A calibrated sigma is kept by (accountant, epsilon, delta), process-wide and
-bounded: a second identical request (another learning rate or seed of the same run) is re-priced
-at that sigma, one evaluation, instead of searched again.
+search's path. A calibration is kept by (accountant, epsilon, delta, start), process-wide and
+bounded: a second identical request (another learning rate or seed of the same run) gets the same
+answer, sigma, epsilon, process and evaluation count, without evaluating again. Accountants are
+frozen and an evaluation is a pure function of (accountant, sigma), so the kept answer is the one
+a new search would return.
 """
 
 from __future__ import annotations
@@ -66,8 +68,8 @@ def price_noise(accountant: Accountant, noise_multiplier: float, delta: float,
         return NoiseMultiplier(sigma, process.epsilon_at(delta), process)
 
 
-# Calibrated noise multipliers by (accountant, epsilon, delta). A cache of results, never a source
-# of behaviour: a hit is priced again exactly before it is returned.
+# Calibrations by (accountant, epsilon, delta, start): a cache of results, never a source of
+# behaviour (see the module docstring).
 _CALIBRATED: dict = {}
 
 
@@ -86,17 +88,16 @@ def calibrate_noise(accountant: Accountant, budget, *, start: PoissonStart | Non
     except TypeError:  # an unhashable strategy: calibrate every time
         key, cached = None, None
     if cached is not None:
-        with Progress.of(progress).stage(f"checking the calibrated noise multiplier {cached:.6g} of an identical plan"):
-            process = accountant(cached)
-            return NoiseMultiplier(cached, process.epsilon_at(budget.delta), process)
+        return cached
     routine = CALIBRATIONS[accountant.method]
     try:
         result = routine(accountant, budget, start, Progress.of(progress))
     except acc.CalibrationRangeError as error:
         raise _range_error(accountant, budget, error, describe) from None
+    found = NoiseMultiplier(result.param, result.epsilon, result.process, result.num_evaluations)
     if key is not None and len(_CALIBRATED) < CALIBRATED_LIMIT:
-        _CALIBRATED[key] = result.param
-    return NoiseMultiplier(result.param, result.epsilon, result.process, result.num_evaluations)
+        _CALIBRATED[key] = found
+    return found
 
 
 def _bisect(accountant, budget, start, progress):

@@ -176,3 +176,21 @@ def test_bad_delta_and_epsilon_are_refused():
         result.epsilon_at(0.0)
     with pytest.raises(ValueError, match="epsilon must be a finite number"):
         result.delta_at(-1.0)
+
+
+def test_identical_runs_share_one_composed_pld_and_any_change_gets_its_own():
+    """The composed PLD is kept by (sample rate, sigma_eff, compositions, grid): a plan evaluates the
+    same one many times. A kept one answers exactly what a fresh dp_accounting composition does,
+    and each of the four numbers changing builds another."""
+    first = poisson(mf_gaussian(1.1, band_mf_strategy(bands=2)), 0.05, 40)
+    again = poisson(mf_gaussian(1.1, band_mf_strategy(bands=2)), 0.05, 40)
+    assert again._accountant is first._accountant and again.epsilon_at(1e-5) == first.epsilon_at(1e-5)
+    fresh = PLDAccountant(dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE, value_discretization_interval=1e-4)
+    fresh.compose(first.dp_event)
+    assert first.delta_at(2.0) == float(fresh.get_delta(2.0))
+    others = [poisson(mf_gaussian(1.2, band_mf_strategy(bands=2)), 0.05, 40),
+              poisson(mf_gaussian(1.1, band_mf_strategy(bands=2)), 0.06, 40),
+              poisson(mf_gaussian(1.1, band_mf_strategy(bands=2)), 0.05, 42),
+              poisson(mf_gaussian(1.1, band_mf_strategy(bands=2)), 0.05, 40, value_discretization_interval=1e-3)]
+    assert len({id(first._accountant)} | {id(other._accountant) for other in others}) == 5
+    assert all(other.delta_at(2.0) != first.delta_at(2.0) for other in others)

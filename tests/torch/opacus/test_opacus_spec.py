@@ -365,7 +365,7 @@ def test_the_gradients_and_the_count_share_sigma_exactly(sigma, count_std):
     # multipliers sigma_g and 2 sigma_b) composed equals the single Gaussian at sigma.
     def epsilon(*sigmas):
         accountant = PLDAccountant(dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE,
-                                   value_discretization_interval=1e-5)
+                                   value_discretization_interval=1e-4)
         accountant.compose(dp_accounting.ComposedDpEvent([dp_accounting.GaussianDpEvent(s) for s in sigmas]))
         return accountant.get_epsilon(1e-5)
 
