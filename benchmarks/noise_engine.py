@@ -217,6 +217,9 @@ def worker(elements: int, tensors: int, buffers: int, repeats: int, threads: int
 
 
 def run_worker(args, elements, tensors, buffers) -> dict:
+    if args.quick:  # a smoke test: in this process (the real runs each take a fresh one, for clean memory peaks)
+        return worker(elements, tensors, buffers, repeats=args.repeats, threads=args.threads, device=args.device,
+                      clock=args.clock)
     command = [sys.executable, __file__, "--worker", str(elements), str(tensors), str(buffers),
                "--repeats", str(args.repeats), "--threads", str(args.threads), "--device", args.device,
                "--clock", args.clock]

@@ -49,7 +49,9 @@ the models'. Opacus' row scales opake's DP-SGD error by the ratio of the noise m
 Every run (validation and test loss, noise multiplier, seconds) is written to the JSON file
 (``--out``, default benchmarks/out/quality_regime.json) as it finishes; a rerun skips what is
 there. Work goes in order of importance: fine-tuning with AdamW at every epsilon, then with SGD,
-then from scratch. ``--report`` prints the table from the JSON (while a run goes on, too).
+then from scratch. ``--report`` prints the table from the JSON (while a run goes on, too). Stages
+may run in separate processes, each with its own ``--out``; ``--report --out A --with B`` prints
+them together.
 
     .venv/bin/python benchmarks/quality_regime.py [--threads 1] [--out F] [--report] [--quick]
 
@@ -754,10 +756,26 @@ def report(data: dict, file=sys.stdout) -> None:
           "default's (bit-identical at its tuned rate), whose runs it shows)", file=file)
 
 
+def merged(path: Path, others: list) -> dict:
+    """The JSON of ``path`` with the runs, cells and errors of ``others`` added (each must hold the
+    same configuration: corpus, sizes, seeds)."""
+    data = json.loads(path.read_text())
+    for other in others:
+        more = json.loads(other.read_text())
+        if more["meta"]["config"] != data["meta"]["config"]:
+            raise SystemExit(f"{other} holds runs of another configuration than {path}")
+        for part in ("runs", "cells", "errors"):
+            data[part].update(more[part])
+    return data
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes, one epsilon, seeds 0 1, 3 rates: seconds")
     parser.add_argument("--report", action="store_true", help="print the table from --out and exit")
+    parser.add_argument("--with", dest="others", nargs="+", default=(), metavar="FILE",
+                        help="--report: also the runs of these files (stages run by other processes, each with "
+                             "its own --out; the same configuration)")
     parser.add_argument("--out", default=None, help="the JSON file (default benchmarks/out/quality_regime.json)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--epsilons", type=float, nargs="+", default=None)
@@ -770,7 +788,7 @@ def main(argv=None) -> int:
     if args.out is None:
         args.out = str(OUT / ("quality_regime_quick.json" if args.quick else "quality_regime.json"))
     if args.report:
-        report(json.loads(Path(args.out).read_text()))
+        report(merged(Path(args.out), [Path(other) for other in args.others]))
         return 0
     return run_all(args)
 

@@ -112,3 +112,18 @@ def test_a_failing_peer_is_reported_and_the_run_exits_non_zero(tmp_path):
     assert "no opacus here" in done.stderr
     errors = json.loads(out.read_text())["errors"]
     assert any("exited 3" in message and "no opacus here" in message for message in errors.values())
+
+
+def test_the_report_merges_stages_run_by_other_processes_and_refuses_another_configuration(tmp_path):
+    regime = _module()
+    meta = {"config": {"sizes": 1}}
+    first, second, other = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "c.json"
+    first.write_text(json.dumps({"meta": meta, "runs": {"x|1|0": {"test": 1.0}}, "cells": {"x": {}}, "errors": {}}))
+    second.write_text(json.dumps({"meta": meta, "runs": {"y|1|0": {"test": 2.0}}, "cells": {"y": {}},
+                                  "errors": {"z": "failed"}}))
+    other.write_text(json.dumps({"meta": {"config": {"sizes": 2}}, "runs": {}, "cells": {}, "errors": {}}))
+    data = regime.merged(first, [second])
+    assert set(data["runs"]) == {"x|1|0", "y|1|0"} and set(data["cells"]) == {"x", "y"} and data["errors"] == {
+        "z": "failed"}
+    with pytest.raises(SystemExit, match="another configuration"):
+        regime.merged(first, [other])
