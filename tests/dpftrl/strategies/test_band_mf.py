@@ -204,7 +204,7 @@ def test_loss_gradient_matches_central_differences_and_value_matches_dense(error
 # -- the fast evaluation (recursive filters, Gram matrix) against references ----------------------
 
 
-def _valid_band(draw_steps, n):
+def _valid_band(draw_steps):
     """A non-negative, non-increasing band with c_0 = 1 from non-negative steps."""
     c = band_mf_optimize.coefficients_from(np.asarray(draw_steps, dtype=np.float64))
     return c / c[0]
@@ -219,7 +219,7 @@ def _valid_band(draw_steps, n):
 def test_sensitivity_gram_gives_the_brute_force_sensitivity(n, steps, min_sep, k):
     steps = list(steps[:n])
     steps[-1] = max(steps[-1], 1e-3)  # c_0 > 0
-    c = _valid_band(steps, n)
+    c = _valid_band(steps)
     bands, min_sep = c.shape[0], min(min_sep, n)
     ctx = Participation(n, min_sep, k)
     gram = band_mf_optimize.sensitivity_gram(bands, ctx)
@@ -258,7 +258,7 @@ EVALUATIONS = {
 @pytest.mark.parametrize("n, bands", [(1, 1), (2, 1), (2, 2), (5, 5), (7, 2), (40, 3), (40, 12), (64, 64), (33, 16)])
 def test_every_evaluation_matches_the_dense_errors_and_central_differences(n, bands, error, method):
     rng = np.random.default_rng(n * bands)
-    c = _valid_band(rng.uniform(0.05, 0.5, size=bands), n)
+    c = _valid_band(rng.uniform(0.05, 0.5, size=bands))
     column = np.zeros(n)
     column[:bands] = c
 
@@ -297,7 +297,7 @@ def test_filtered_and_spectral_evaluations_agree_on_long_horizons(n, bands, erro
 )
 def test_doubling_agrees_with_the_filters_on_any_valid_band_and_horizon(steps, n, error):
     # the doubling's matrix powers against the step-by-step filters, up to 2e5 steps
-    c = _valid_band(steps, n)
+    c = _valid_band(steps)
     v1, g1 = band_mf_optimize._filtered_error_and_gradient(c, n, error)
     v2, g2 = band_mf_optimize._doubled_error_and_gradient(c, n, error)
     assert v2 == pytest.approx(v1, rel=1e-11)

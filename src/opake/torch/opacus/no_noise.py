@@ -80,10 +80,10 @@ class NoiseFree:
         return NoisedPytree(pytree=pytree, step=noised.step, noise_variance=0.0), state
 
 
-class NoiseFreeTraining(PrivateTraining):
-    """``PrivateTraining`` of a run released without noise: sigma 0, epsilon infinite. Its checkpoint's
-    plan record says ``"noise_free": True``: a noised run refuses it whatever key it is given (the record
-    differs from every noised plan's), and a noise-free run refuses a noised run's checkpoint."""
+class _MarkedNoiseFree(PrivateTraining):
+    """A run whose released weights carry no noise (the two classes below): its epsilon is infinite
+    and its checkpoint's plan record says ``"noise_free": True``, so no noised run takes it for its
+    own, whatever key that run is given (the record differs from every noised plan's)."""
 
     def state_dict(self) -> dict:
         saved = super().state_dict()
@@ -91,25 +91,30 @@ class NoiseFreeTraining(PrivateTraining):
         saved["digest"] = whole_digest(saved)
         return saved
 
+    @property
+    def epsilon(self) -> float:
+        return math.inf
+
+
+class NoiseFreeTraining(_MarkedNoiseFree):
+    """``PrivateTraining`` of a run released without noise: sigma 0, epsilon infinite, its checkpoint
+    marked noise-free (``_MarkedNoiseFree``); it refuses a noised run's checkpoint."""
+
     def load_state_dict(self, state_dict: dict, *, draws: str | None = None, fresh_key=None) -> None:
-        plan = state_dict.get("plan") if isinstance(state_dict, dict) else None
-        if not (isinstance(plan, dict) and plan.get(NOISE_FREE) is True):
+        if not is_noise_free_checkpoint(state_dict):
             raise CheckpointError("this checkpoint is not a noise-free run's (noise_multiplier=0): load it into a "
                                   "run planned as it was. Nothing was restored")
         if state_dict.get("digest") != whole_digest(state_dict):  # checked before the record is read as a plan
             raise CheckpointError("this checkpoint's contents do not match its digest: it was edited or corrupted "
                                   "after it was saved. Nothing was restored")
-        plain = {**state_dict, "plan": {name: value for name, value in plan.items() if name != NOISE_FREE}}
+        plain = {**state_dict, "plan": {name: value for name, value in state_dict["plan"].items()
+                                        if name != NOISE_FREE}}
         plain["digest"] = whole_digest(plain)
         super().load_state_dict(plain, draws=draws, fresh_key=fresh_key)
 
     @property
     def noise_multiplier(self) -> float:
         return 0.0
-
-    @property
-    def epsilon(self) -> float:
-        return math.inf
 
     def epsilon_spent(self, delta: float | None = None) -> float:
         """Infinite once a step was taken (0 before: nothing was released)."""
@@ -174,25 +179,15 @@ def serve_loader_batches(private: PrivateTraining, batch_sampler, epochs: int) -
     private.run.batches = batches
 
 
-class NoiseFreeWeightsTraining(PrivateTraining):
+class NoiseFreeWeightsTraining(_MarkedNoiseFree):
     """A noised run into which a noise-free run's checkpoint was loaded: its weights were trained without
     noise, so nothing it releases from then on is private. Its epsilon is infinite from the load on,
     whatever steps it takes after (``opake.torch.opacus.checkpoint``); its own checkpoint is marked
-    noise-free, as the one it loaded, and nothing more loads into it."""
-
-    def state_dict(self) -> dict:
-        saved = super().state_dict()
-        saved["plan"] = {**saved["plan"], NOISE_FREE: True}
-        saved["digest"] = whole_digest(saved)
-        return saved
+    noise-free, as the one it loaded (``_MarkedNoiseFree``), and nothing more loads into it."""
 
     def load_state_dict(self, state_dict: dict, *, draws: str | None = None, fresh_key=None) -> None:
         raise CheckpointError("this run holds weights trained without noise (a noise-free checkpoint was loaded into "
                               "it): loading another checkpoint would not make it private. Plan a new run")
-
-    @property
-    def epsilon(self) -> float:
-        return math.inf
 
     def epsilon_spent(self, delta: float | None = None) -> float:
         return math.inf
